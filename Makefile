@@ -1,0 +1,57 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NOTEBOOKS_OUT := build/tutorials
+
+.PHONY: install demo test lint unit notebooks docs-build docs bench clean
+
+# A virtual environment with the project (editable) and its pinned dependencies.
+# torch 2.13.0 (CPU build) first, so that nothing pulls a CUDA build.
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=24"
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/minipaged demo
+
+# ruff, every test, every notebook (executed), and the documentation site (strict).
+test: lint unit notebooks docs-build
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+unit: $(STAMP)
+	$(PY) -m pytest
+
+# Notebooks are committed without outputs; they run on a copy, whose outputs the docs show.
+notebooks: $(STAMP)
+	rm -rf $(NOTEBOOKS_OUT) && mkdir -p $(NOTEBOOKS_OUT)
+	cp tutorials/*.ipynb $(NOTEBOOKS_OUT)/
+	$(PY) -m pytest -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=600 $(NOTEBOOKS_OUT)
+
+docs-build: $(STAMP)
+	rm -rf docs/tutorials && mkdir -p docs/tutorials
+	if [ -d $(NOTEBOOKS_OUT) ]; then cp $(NOTEBOOKS_OUT)/*.ipynb docs/tutorials/; \
+	else cp tutorials/*.ipynb docs/tutorials/; fi
+	$(PY) -m mkdocs build --strict --site-dir build/site
+
+docs: $(STAMP)
+	$(MAKE) notebooks
+	rm -rf docs/tutorials && mkdir -p docs/tutorials && cp $(NOTEBOOKS_OUT)/*.ipynb docs/tutorials/
+	$(PY) -m mkdocs serve
+
+bench: $(STAMP)
+	@for script in bench/*.py; do \
+		case $$script in */workloads.py|*/common.py|*/_*) continue;; esac; \
+		echo "== $$script"; $(PY) $$script --quick || exit 1; \
+	done
+
+clean:
+	rm -rf build docs/tutorials .pytest_cache .ruff_cache .benchmarks

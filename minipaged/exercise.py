@@ -1,0 +1,192 @@
+"""The exercise tool: turn a stage's solutions into stubs, and grade a workspace.
+
+A learner's part of a stage sits between two marker comments::
+
+    def holes(self):
+        \"\"\"The free holes of the arena.\"\"\"
+        # BEGIN SOLUTION walk the slabs in address order and collect the gaps
+        ...
+        # END SOLUTION
+
+``make_workspace(stage, out)`` copies the package and the stage tests into ``out`` and
+replaces every solution of that stage by ``raise NotImplementedError("stage N: <hint> —
+see tutorials/NN_<topic>.ipynb")``; signatures and docstrings stay. ``grade(dir)`` runs
+the tests of ``dir`` and counts, per stage, the tests that pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+STAGE_FILE = re.compile(r"stage(\d+)_(\w+)\.py$")
+
+
+class SolutionMarkerError(ValueError):
+    """The solution markers of a file are unbalanced, nested or misplaced."""
+
+
+def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, Path]:
+    """Every stage module of the package, by stage number."""
+    found = {}
+    for path in sorted(package_dir.glob("stage*_*.py")):
+        match = STAGE_FILE.match(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return found
+
+
+def tutorial_for(stage: int, repo_dir: Path = REPO_DIR) -> str:
+    """The tutorial notebook that explains a stage, as a path relative to the repository."""
+    matches = sorted((repo_dir / "tutorials").glob(f"{stage:02d}_*.ipynb"))
+    return f"tutorials/{matches[0].name}" if matches else f"tutorials/{stage:02d}_*.ipynb"
+
+
+def solution_regions(source: str, filename: str = "<source>") -> list[tuple[int, int, str]]:
+    """The ``(begin_line, end_line, hint)`` of each solution, 1-based, in order.
+
+    Raises ``SolutionMarkerError`` naming the file and line of a nested BEGIN, an END
+    without a BEGIN, a BEGIN never closed, or a BEGIN outside a function body.
+    """
+    regions, open_at, hint = [], None, ""
+    for number, line in enumerate(source.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            if open_at is not None:
+                raise SolutionMarkerError(
+                    f"{filename}:{number}: nested {BEGIN!r}; the one at line {open_at} is still open"
+                )
+            if not line[: len(line) - len(line.lstrip())]:
+                raise SolutionMarkerError(
+                    f"{filename}:{number}: {BEGIN!r} must be inside a function body (indented)"
+                )
+            open_at, hint = number, stripped[len(BEGIN) :].strip(" :-—")
+        elif stripped.startswith(END):
+            if open_at is None:
+                raise SolutionMarkerError(f"{filename}:{number}: {END!r} without a {BEGIN!r}")
+            regions.append((open_at, number, hint))
+            open_at = None
+    if open_at is not None:
+        raise SolutionMarkerError(f"{filename}:{open_at}: {BEGIN!r} is never closed by {END!r}")
+    return regions
+
+
+def stub_source(source: str, stage: int, tutorial: str, filename: str = "<source>") -> str:
+    """``source`` with each solution replaced by a ``NotImplementedError`` stub."""
+    lines = source.splitlines(keepends=True)
+    out, cursor = [], 0
+    for begin, end, hint in solution_regions(source, filename):
+        out.extend(lines[cursor : begin - 1])
+        marker = lines[begin - 1]
+        indent = marker[: len(marker) - len(marker.lstrip())]
+        message = f"stage {stage}: {hint or 'implement this'} — see {tutorial}"
+        out.append(f"{indent}raise NotImplementedError({message!r})\n")
+        cursor = end
+    out.extend(lines[cursor:])
+    stubbed = "".join(out)
+    try:
+        ast.parse(stubbed, filename)
+    except SyntaxError as err:
+        raise SolutionMarkerError(f"{filename}:{err.lineno}: stubs do not compile: {err.msg}") from err
+    return stubbed
+
+
+def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = REPO_DIR) -> Path:
+    """Write an exercise workspace for ``stage`` into ``out`` and return it."""
+    files = stage_files(repo_dir / "minipaged")
+    if stage not in files:
+        raise ValueError(f"no stage {stage}; stages available: {sorted(files)}")
+    tests_dir = repo_dir / "tests"
+    if not tests_dir.is_dir():
+        raise FileNotFoundError(
+            f"the tests are not next to the package ({tests_dir}); run this from a clone "
+            "of the minipaged repository"
+        )
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+        shutil.rmtree(out)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(repo_dir / "minipaged", out / "minipaged", ignore=ignore)
+    (out / "tests").mkdir(parents=True)
+    for path in tests_dir.glob("*.py"):
+        if path.name.startswith(("test_stage", "conftest", "helpers")):
+            shutil.copy2(path, out / "tests" / path.name)
+    for name in ("conftest.py", "pyproject.toml"):
+        shutil.copy2(repo_dir / name, out / name)
+    target = out / "minipaged" / files[stage].name
+    tutorial = tutorial_for(stage, repo_dir)
+    target.write_text(stub_source(target.read_text(), stage, tutorial, str(files[stage])))
+    (out / "README.md").write_text(
+        f"# Exercise {stage}\n\n"
+        f"Fill in every `NotImplementedError` in `minipaged/{files[stage].name}`.\n"
+        f"{tutorial} explains the ideas.\n\n"
+        f"Check your work from this folder with `pytest -k stage{stage}`, or see every\n"
+        f"stage at once with `minipaged grade .`.\n"
+    )
+    return out
+
+
+@dataclass
+class StageResult:
+    stage: int
+    passed: int
+    failed: int
+    skipped: int
+
+    @property
+    def total(self) -> int:
+        return self.passed + self.failed
+
+    @property
+    def status(self) -> str:
+        if self.total == 0:
+            return "no tests"
+        if self.failed == 0:
+            return "complete"
+        return "not started" if self.passed == 0 else "in progress"
+
+
+def run_tests(directory: Path, *pytest_args: str) -> dict[str, dict]:
+    """Run pytest in ``directory``; return ``{nodeid: {"outcome", "stages"}}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        env = {**os.environ, "MINIPAGED_REPORT": str(report)}
+        env.pop("PYTEST_ADDOPTS", None)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "-p", "minipaged._pytest_report", *pytest_args]
+        subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
+        if not report.exists():
+            raise RuntimeError(f"pytest wrote no report in {directory}: is it a workspace?")
+        return json.loads(report.read_text())
+
+
+def grade(directory: Path, *pytest_args: str) -> list[StageResult]:
+    """Run every stage test in ``directory``; count passes per stage."""
+    results = run_tests(directory, "-m", " or ".join(f"stage{n}" for n in range(10)), *pytest_args)
+    by_stage: dict[int, StageResult] = {}
+    for record in results.values():
+        for stage in record["stages"]:
+            row = by_stage.setdefault(stage, StageResult(stage, 0, 0, 0))
+            setattr(row, record["outcome"], getattr(row, record["outcome"]) + 1)
+    return [by_stage[s] for s in sorted(by_stage)]
+
+
+def format_grades(rows: list[StageResult]) -> str:
+    """The grade table, one row per stage."""
+    lines = [f"{'stage':<6} {'passed':>10}  status", "-" * 32]
+    for row in rows:
+        lines.append(f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}  {row.status}")
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""The exercise tool, and the two promises it makes for every stage of the ladder.
+
+1. The stubs of stage N fail every stage-N test (no test passes without the learner's code).
+2. The tests of the stages below N still pass with stage N stubbed. This one is proved
+   statically: no stage module below N, and no test of a stage below N, imports stage N.
+
+Test ids here never contain ``stage<N>``, so that ``pytest -k stageN`` never selects them.
+"""
+
+import ast
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import minipaged
+from minipaged.exercise import (
+    REPO_DIR,
+    SolutionMarkerError,
+    StageResult,
+    format_grades,
+    make_workspace,
+    run_tests,
+    solution_regions,
+    stage_files,
+    stub_source,
+)
+
+pytestmark = pytest.mark.tooling
+
+STAGES = sorted(stage_files())
+STAGE_MODULE = re.compile(r"minipaged\.stage(\d+)_")
+
+
+def test_every_stage_has_its_tests_tutorial_and_docs_page():
+    assert STAGES == list(range(len(STAGES))), "stages must be numbered 0, 1, 2, ... without gaps"
+    for stage, path in stage_files().items():
+        topic = path.stem.split("_", 1)[1]
+        assert list((REPO_DIR / "tests").glob(f"test_stage{stage}_*.py")), f"no tests for {path.name}"
+        assert list((REPO_DIR / "tutorials").glob(f"{stage:02d}_*.ipynb")), f"no tutorial for {path.name}"
+        assert (REPO_DIR / "docs" / "stages" / f"{stage}_{topic}.md").exists(), f"no docs page for {path.name}"
+        assert solution_regions(path.read_text(), str(path)), f"{path.name} has no solution to write"
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    pass\n", "x.py:3: nested"),
+        ("def f():\n    pass\n    # END SOLUTION\n", "x.py:3: '# END SOLUTION' without"),
+        ("def f():\n    # BEGIN SOLUTION\n    pass\n", "x.py:2: '# BEGIN SOLUTION' is never closed"),
+        ("# BEGIN SOLUTION\nx = 1\n# END SOLUTION\n", "x.py:1: .* must be inside a function"),
+    ],
+    ids=["nested", "end-without-begin", "never-closed", "not-in-a-function"],
+)
+def test_bad_markers_are_errors_naming_file_and_line(source, message):
+    with pytest.raises(SolutionMarkerError, match=message):
+        stub_source(source, 0, "tutorials/00_x.ipynb", "x.py")
+
+
+def test_stubs_keep_signatures_and_docstrings():
+    source = (
+        "def area(w: int, h: int = 2) -> int:\n"
+        '    """Width times height."""\n'
+        "    # BEGIN SOLUTION multiply the sides\n"
+        "    return w * h\n"
+        "    # END SOLUTION\n"
+    )
+    stubbed = stub_source(source, 3, "tutorials/03_cow.ipynb")
+    namespace = {}
+    exec(stubbed, namespace)
+    area = namespace["area"]
+    assert area.__doc__ == "Width times height." and area.__annotations__["return"] is int
+    with pytest.raises(NotImplementedError, match=r"stage 3: multiply the sides — see tutorials/03_cow.ipynb"):
+        area(2)
+
+
+@pytest.mark.parametrize("number", STAGES)
+def test_stub_modules_import_and_keep_the_public_names(number, tmp_path, monkeypatch):
+    path = stage_files()[number]
+    original = importlib.import_module(f"minipaged.{path.stem}")
+    stubbed = tmp_path / path.name
+    stubbed.write_text(stub_source(path.read_text(), number, "t.ipynb", str(path)))
+    spec = importlib.util.spec_from_file_location(f"stubbed_{path.stem}", stubbed)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    public = {n for n in dir(original) if not n.startswith("_")}
+    assert public <= set(dir(module))
+
+
+@pytest.mark.parametrize("number", STAGES)
+def test_stubs_fail_every_test_of_their_own_rung(number, tmp_path):
+    workspace = make_workspace(number, tmp_path / "ws")
+    results = run_tests(workspace, "-k", f"stage{number}")
+    ran = {k: v for k, v in results.items() if v["outcome"] != "skipped"}
+    assert ran, "no test of this stage ran in the workspace"
+    passed = [k for k, v in ran.items() if v["outcome"] == "passed"]
+    assert not passed, f"these tests pass without the learner's code: {passed}"
+    assert all(number in v["stages"] for v in results.values()), "-k selected foreign tests"
+    assert all("test_exercise_tool" not in k for k in results)
+
+
+def _stages_imported(path: Path) -> set[int]:
+    """The stage numbers a file imports, directly or through names of the package."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if m := STAGE_MODULE.match(node.module + "_"):
+                found.add(int(m.group(1)))
+            elif node.module == "minipaged":
+                for alias in node.names:
+                    owner = getattr(getattr(minipaged, alias.name), "__module__", "")
+                    if m := STAGE_MODULE.match(owner + "_"):
+                        found.add(int(m.group(1)))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if m := STAGE_MODULE.match(alias.name + "_"):
+                    found.add(int(m.group(1)))
+    return found
+
+
+@pytest.mark.parametrize("number", STAGES)
+def test_lower_rungs_never_import_this_one(number):
+    """With stage N stubbed, lower stages and their tests still pass: they cannot reach it."""
+    for lower in range(number):
+        module = stage_files()[lower]
+        assert max(_stages_imported(module), default=-1) < lower, f"{module.name} imports upward"
+        for test in (REPO_DIR / "tests").glob(f"test_stage{lower}_*.py"):
+            assert number not in _stages_imported(test), f"{test.name} imports stage {number}"
+    own = stage_files()[number]
+    assert max(_stages_imported(own), default=-1) < number, f"{own.name} imports itself or upward"
+
+
+def test_keyword_selection_never_picks_this_file():
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-k", "stage0"],
+        cwd=REPO_DIR, capture_output=True, text=True, check=True,
+    ).stdout
+    assert "test_stage0_" in out and "test_exercise_tool" not in out
+
+
+def test_workspace_refuses_to_overwrite_and_rejects_unknown_stages(tmp_path):
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "mine.py").write_text("my work")
+    with pytest.raises(FileExistsError, match="--force"):
+        make_workspace(0, tmp_path / "ws")
+    with pytest.raises(ValueError, match="no stage 99; stages available"):
+        make_workspace(99, tmp_path / "other")
+
+
+def test_cli_writes_a_workspace_and_grades_it(tmp_path):
+    out = tmp_path / "ex0"
+    cli = [sys.executable, "-m", "minipaged.cli"]
+    done = subprocess.run([*cli, "exercise", "0", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0 and "pytest -k stage0" in done.stdout
+    assert "NotImplementedError('stage 0:" in (out / "minipaged" / "stage0_contiguous.py").read_text()
+    graded = subprocess.run([*cli, "grade", str(out)], capture_output=True, text=True, cwd=REPO_DIR)
+    assert graded.returncode == 1, graded.stderr
+    row = next(line for line in graded.stdout.splitlines() if line.startswith("0 "))
+    assert re.match(r"0\s+0/\d+\s+not started", row)
+    again = subprocess.run([*cli, "exercise", "0", "--out", str(out)], capture_output=True, text=True)
+    assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_grade_table_format():
+    rows = [StageResult(0, 12, 0, 1), StageResult(1, 3, 4, 0), StageResult(2, 0, 9, 0)]
+    table = format_grades(rows)
+    assert "12/12  complete" in table and "3/7  in progress" in table and "0/9  not started" in table
