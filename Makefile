@@ -40,12 +40,12 @@ docs-build: $(STAMP)
 	rm -rf docs/tutorials && mkdir -p docs/tutorials
 	if [ -d $(NOTEBOOKS_OUT) ]; then cp $(NOTEBOOKS_OUT)/*.ipynb docs/tutorials/; \
 	else cp tutorials/*.ipynb docs/tutorials/; fi
-	$(PY) -m mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 docs: $(STAMP)
 	$(MAKE) notebooks
 	rm -rf docs/tutorials && mkdir -p docs/tutorials && cp $(NOTEBOOKS_OUT)/*.ipynb docs/tutorials/
-	$(PY) -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 bench: $(STAMP)
 	@for script in bench/*.py; do \
