@@ -13,14 +13,29 @@ from minipaged.stage0_contiguous import (
     UnknownRequestError,
     dense_attention,
 )
+from minipaged.stage1_block_allocator import BlockAllocator, OutOfBlocksError
+from minipaged.stage2_block_table import BlockSpaceManager, BlockTable, PagedKVCache
+from minipaged.stage3_copy_on_write import (
+    CowBlockSpaceManager,
+    CowPagedKVCache,
+    RefCountedBlockAllocator,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "POLICIES",
+    "BlockAllocator",
+    "BlockSpaceManager",
+    "BlockTable",
     "CacheUsage",
     "ContiguousKVCache",
+    "CowBlockSpaceManager",
+    "CowPagedKVCache",
+    "OutOfBlocksError",
     "OutOfSlotsError",
+    "PagedKVCache",
+    "RefCountedBlockAllocator",
     "Slab",
     "UnknownRequestError",
     "dense_attention",

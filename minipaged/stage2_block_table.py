@@ -1,0 +1,241 @@
+"""Stage 2 — block tables: logical blocks mapped to physical blocks.
+
+A sequence sees its KV cache as consecutive *logical* blocks: tokens 0..15 in logical
+block 0, tokens 16..31 in logical block 1, and so on (block size 16). Where those blocks
+really are is written in its **block table**, like a page table: logical block i lives
+in physical block ``block_table[i]``, anywhere in memory. Token ``t`` of a sequence
+therefore lives in slot::
+
+    slot = block_table[t // block_size] * block_size + t % block_size
+
+This stage adds three pieces, with vLLM's names:
+
+* ``BlockTable`` — one sequence's physical block ids, in logical order, and its length.
+* ``BlockSpaceManager`` — the bookkeeping: ``allocate`` blocks for a prompt,
+  ``append_slot`` for each generated token (a new block only when the last one is
+  full), ``free``, and the ``slot_mapping`` that tells the model where to write K/V.
+  Nothing is reserved ahead: at most ``block_size - 1`` slots per sequence sit idle.
+* ``PagedKVCache`` — the tensors: per layer, ``key_cache`` and ``value_cache`` of shape
+  ``(num_blocks, block_size, num_kv_heads, head_dim)``; ``write`` through a slot mapping,
+  ``gather`` a sequence's K/V back into one contiguous tensor.
+
+It is checked against stage 0: for any interleaving of growing sequences, what the paged
+cache gathers equals, bit for bit, what the contiguous cache holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from minipaged.stage0_contiguous import CacheUsage
+from minipaged.stage1_block_allocator import BlockAllocator, OutOfBlocksError
+
+
+@dataclass
+class BlockTable:
+    """One sequence's physical blocks, in logical order, and how many tokens it holds."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class BlockSpaceManager:
+    """Maps each sequence's logical blocks to physical blocks of one ``BlockAllocator``."""
+
+    allocator_class = BlockAllocator
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.allocator = self.allocator_class(num_blocks)
+        self.block_tables: dict[Hashable, BlockTable] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.allocator.num_total_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+        # BEGIN SOLUTION
+        return -(-num_tokens // self.block_size)
+        # END SOLUTION
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens gets its blocks now."""
+        # BEGIN SOLUTION
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+        # END SOLUTION
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> BlockTable:
+        """Give a new sequence the blocks for its first ``num_tokens`` tokens (its prompt).
+
+        Raises ``ValueError`` for a duplicate id, a bad length or a sequence larger than
+        the whole cache, ``OutOfBlocksError`` when too few blocks are free now; a refused
+        call changes nothing.
+        """
+        # BEGIN SOLUTION validate, then take every block at once from the allocator
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        if not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.num_total_blocks:
+            raise ValueError(
+                f"sequence {seq_id!r} needs {needed} blocks of {self.block_size} tokens; the "
+                f"cache has only {self.num_total_blocks}: it can never fit"
+            )
+        table = BlockTable(self.allocator.allocate_blocks(needed), num_tokens)
+        self.block_tables[seq_id] = table
+        return table
+        # END SOLUTION
+
+    def _table(self, seq_id: Hashable) -> BlockTable:
+        if seq_id not in self.block_tables:
+            raise KeyError(f"sequence {seq_id!r} has no block table (never allocated, or freed)")
+        return self.block_tables[seq_id]
+
+    def can_append_slot(self, seq_id: Hashable) -> bool:
+        """Whether ``append_slot`` would succeed now."""
+        # BEGIN SOLUTION a free block is needed only when the last block is full
+        table = self._table(seq_id)
+        return table.num_tokens % self.block_size != 0 or self.num_free_blocks > 0
+        # END SOLUTION
+
+    def append_slot(self, seq_id: Hashable) -> int:
+        """Make room for one more token of ``seq_id``; return its slot.
+
+        A new block is taken only when the last block is full. ``OutOfBlocksError`` if one
+        is needed and none is free (the sequence is unchanged).
+        """
+        # BEGIN SOLUTION take a new block if the last one is full, then count the token
+        table = self._table(seq_id)
+        if table.num_tokens % self.block_size == 0:
+            table.block_ids.append(self.allocator.allocate())
+        table.num_tokens += 1
+        return self.slot_of(seq_id, table.num_tokens - 1)
+        # END SOLUTION
+
+    def slot_of(self, seq_id: Hashable, position: int) -> int:
+        """The slot of token ``position`` of ``seq_id``: block id * block_size + offset."""
+        # BEGIN SOLUTION
+        table = self._table(seq_id)
+        if not 0 <= position < table.num_tokens:
+            raise IndexError(f"position {position} outside sequence {seq_id!r} of {table.num_tokens} tokens")
+        return table.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        # END SOLUTION
+
+    def free(self, seq_id: Hashable) -> None:
+        """Give every block of ``seq_id`` back to the allocator."""
+        # BEGIN SOLUTION
+        table = self._table(seq_id)
+        for block_id in table.block_ids:
+            self.allocator.free(block_id)
+        del self.block_tables[seq_id]
+        # END SOLUTION
+
+    def get_block_table(self, seq_id: Hashable) -> list[int]:
+        """The physical block ids of ``seq_id``, in logical order (a copy)."""
+        return list(self._table(seq_id).block_ids)
+
+    def slot_mapping(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> torch.Tensor:
+        """The slots of the last ``num_new_tokens[i]`` tokens of each ``seq_ids[i]``, concatenated.
+
+        This is what a forward pass over a batch needs: where to write each new token's K/V.
+        Returns int64 ``(sum(num_new_tokens),)``.
+        """
+        # BEGIN SOLUTION
+        slots = []
+        for seq_id, n in zip(seq_ids, num_new_tokens, strict=True):
+            end = self._table(seq_id).num_tokens
+            slots.extend(self.slot_of(seq_id, p) for p in range(end - n, end))
+        return torch.tensor(slots, dtype=torch.int64)
+        # END SOLUTION
+
+    def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's blocks are 0."""
+        tables = [self._table(s).block_ids for s in seq_ids]
+        out = torch.zeros(len(tables), max((len(t) for t in tables), default=0), dtype=torch.int32)
+        for row, ids in enumerate(tables):
+            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return out
+
+    def usage(self) -> CacheUsage:
+        """Stage 0's breakdown for the paged cache: internal = the slack in last blocks.
+
+        Nothing is reserved ahead and any free block fits anyone, so ``reserved`` and
+        ``external`` are 0. A block shared by several sequences (stage 3) counts once.
+        """
+        filled: dict[int, int] = {}  # physical block -> slots holding K/V
+        for table in self.block_tables.values():
+            for i, block_id in enumerate(table.block_ids):
+                used = min(self.block_size, table.num_tokens - i * self.block_size)
+                filled[block_id] = max(filled.get(block_id, 0), used)
+        token = sum(filled.values())
+        total = self.num_total_blocks * self.block_size
+        internal = len(filled) * self.block_size - token
+        return CacheUsage(total, token, 0, internal, 0, total - token - internal)
+
+
+class PagedKVCache:
+    """The K/V tensors, per layer ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        # BEGIN SOLUTION check the sizes, then allocate key_cache and value_cache per layer
+        sizes = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim)
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # END SOLUTION
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store K/V ``(num_tokens, num_kv_heads, head_dim)`` at ``slot_mapping``; -1 = skip."""
+        # BEGIN SOLUTION view the cache as (num_slots, heads, dim), check, scatter the kept rows
+        k_flat = self.key_cache[layer].view(-1, *self.key_cache[layer].shape[2:])
+        v_flat = self.value_cache[layer].view(-1, *self.value_cache[layer].shape[2:])
+        expected = (slot_mapping.numel(), *k_flat.shape[1:])
+        for name, t in (("key", key), ("value", value)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
+        if slot_mapping.numel() and int(slot_mapping.max()) >= k_flat.shape[0]:
+            raise ValueError(f"slot {int(slot_mapping.max())} is outside the cache ({k_flat.shape[0]} slots)")
+        keep = slot_mapping >= 0
+        k_flat[slot_mapping[keep]] = key[keep].to(k_flat.dtype)
+        v_flat[slot_mapping[keep]] = value[keep].to(v_flat.dtype)
+        # END SOLUTION
+
+    def gather(self, layer: int, block_table: Sequence[int] | torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, read through its table."""
+        # BEGIN SOLUTION index the blocks in logical order, flatten, keep seq_len tokens
+        num_blocks = -(-seq_len // self.block_size)
+        ids = torch.as_tensor(block_table, dtype=torch.int64)[:num_blocks]
+        if ids.numel() < num_blocks:
+            raise ValueError(f"seq_len {seq_len} needs {num_blocks} blocks; the table has {ids.numel()}")
+        keys = self.key_cache[layer][ids].flatten(0, 1)[:seq_len]  # (seq_len, kv_heads, dim)
+        values = self.value_cache[layer][ids].flatten(0, 1)[:seq_len]
+        return keys, values
+        # END SOLUTION
+
+
+__all__ = ["BlockTable", "BlockSpaceManager", "PagedKVCache", "OutOfBlocksError"]

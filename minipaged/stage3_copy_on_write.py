@@ -1,0 +1,152 @@
+"""Stage 3 — sharing blocks: reference counts, fork, and copy-on-write.
+
+Many requests hold the same tokens: the n samples of one prompt (parallel sampling), the
+beams of a beam search, every request that starts with one system prompt. With a
+contiguous cache each holds its own copy. With block tables, two sequences can point at
+the *same* physical block, exactly as two processes share a page after ``fork()``.
+
+Three things make that safe, as in an operating system:
+
+* **Reference counts.** Each block counts the block tables that hold it. ``free`` of a
+  sequence drops one reference per block; a block returns to the pool only at zero.
+* **Fork.** ``fork(parent, child)`` gives the child a copy of the parent's block *table*
+  (not of the blocks) and adds one reference to each block: no K/V is copied.
+* **Copy-on-write.** Full blocks never change again, so sharing them is free. The last
+  block of a sequence is still being filled: when a sequence appends a token to a last
+  block that others share, it first gets a private block, and the cache must copy the
+  old block's K/V into it. ``append_slot`` records that ``(source, destination)`` pair;
+  ``take_copies()`` hands the pairs of a step to whoever runs the model, which applies
+  them with ``PagedKVCache.copy_blocks`` on every layer before writing new K/V.
+
+Checked against stages 2 and 0: every branch of a fork tree reads exactly what its own
+unshared cache would hold, in fewer physical blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from minipaged.stage1_block_allocator import BlockAllocator
+from minipaged.stage2_block_table import BlockSpaceManager, BlockTable, PagedKVCache
+
+
+class RefCountedBlockAllocator(BlockAllocator):
+    """A ``BlockAllocator`` whose blocks carry reference counts.
+
+    ``allocate`` hands out a block with one reference; ``incref`` adds one; ``free`` drops
+    one and returns the block to the pool when none is left.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        # BEGIN SOLUTION one counter per block, all zero
+        self._ref_counts = [0] * num_blocks
+        # END SOLUTION
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold ``block_id`` (0 when it is free)."""
+        # BEGIN SOLUTION
+        self._check_id(block_id)
+        return self._ref_counts[block_id]
+        # END SOLUTION
+
+    def allocate_blocks(self, num_blocks: int) -> list[int]:
+        # BEGIN SOLUTION allocate as before, then give each block one reference
+        ids = super().allocate_blocks(num_blocks)
+        for block_id in ids:
+            self._ref_counts[block_id] = 1
+        return ids
+        # END SOLUTION
+
+    def incref(self, block_id: int) -> None:
+        """Add a reference to a block in use (sharing it); a free block cannot be shared."""
+        # BEGIN SOLUTION
+        if self.is_free(block_id):
+            raise ValueError(f"block {block_id} is free; only a block in use can be shared")
+        self._ref_counts[block_id] += 1
+        # END SOLUTION
+
+    def free(self, block_id: int) -> None:
+        """Drop one reference; the block goes back to the pool when it was the last."""
+        # BEGIN SOLUTION refuse a free block, decrement, return the block at zero
+        if self.is_free(block_id):
+            raise ValueError(f"block {block_id} is already free (double free)")
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            super().free(block_id)
+        # END SOLUTION
+
+
+class CowBlockSpaceManager(BlockSpaceManager):
+    """A ``BlockSpaceManager`` whose sequences share blocks: fork and copy-on-write."""
+
+    allocator_class = RefCountedBlockAllocator
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        super().__init__(num_blocks, block_size)
+        self._pending_copies: list[tuple[int, int]] = []
+
+    def ref_count(self, block_id: int) -> int:
+        return self.allocator.ref_count(block_id)
+
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> BlockTable:
+        """Give ``child_seq_id`` the parent's blocks, shared: one more reference each."""
+        # BEGIN SOLUTION copy the table (not the blocks) and incref every block
+        parent = self._table(parent_seq_id)
+        if child_seq_id in self.block_tables:
+            raise ValueError(f"sequence {child_seq_id!r} already has a block table")
+        for block_id in parent.block_ids:
+            self.allocator.incref(block_id)
+        child = BlockTable(list(parent.block_ids), parent.num_tokens)
+        self.block_tables[child_seq_id] = child
+        return child
+        # END SOLUTION
+
+    def can_append_slot(self, seq_id: Hashable) -> bool:
+        # BEGIN SOLUTION a new block is needed if the last is full, or partly full and shared
+        table = self._table(seq_id)
+        full = table.num_tokens % self.block_size == 0
+        shared = bool(table.block_ids) and self.ref_count(table.block_ids[-1]) > 1
+        return (not full and not shared) or self.num_free_blocks > 0
+        # END SOLUTION
+
+    def append_slot(self, seq_id: Hashable) -> int:
+        """Make room for one more token; copy-on-write if the last block is shared.
+
+        When the token goes into a partly filled last block that other sequences hold,
+        the sequence gets a private block instead, and the pair ``(shared, private)`` is
+        queued for ``take_copies``. Returns the new token's slot.
+        """
+        # BEGIN SOLUTION copy-on-write the shared last block, then append as in stage 2
+        table = self._table(seq_id)
+        if table.num_tokens % self.block_size != 0:
+            last = table.block_ids[-1]
+            if self.ref_count(last) > 1:
+                private = self.allocator.allocate()
+                self.allocator.free(last)  # drop this sequence's reference to the shared block
+                table.block_ids[-1] = private
+                self._pending_copies.append((last, private))
+        return super().append_slot(seq_id)
+        # END SOLUTION
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The ``(source, destination)`` block copies queued since the last call."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+
+class CowPagedKVCache(PagedKVCache):
+    """A ``PagedKVCache`` that can copy blocks, for copy-on-write."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each source block's K/V into its destination block, on every layer."""
+        # BEGIN SOLUTION one indexed copy per layer for all the pairs
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.key_cache[0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.key_cache[0].device)
+        for cache in (*self.key_cache, *self.value_cache):
+            cache[dst] = cache[src]
+        # END SOLUTION

@@ -1,0 +1,223 @@
+"""Stage 2: block tables and the paged KV cache, checked against stage 0's contiguous cache."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minipaged.stage0_contiguous import CacheUsage, ContiguousKVCache
+from minipaged.stage1_block_allocator import OutOfBlocksError
+from minipaged.stage2_block_table import BlockSpaceManager, PagedKVCache
+
+pytestmark = pytest.mark.stage2
+
+HEADS, DIM, LAYERS = 2, 4, 2
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_cache_reads_back_what_the_contiguous_cache_holds(block_size, seed):
+    """Many sequences grow token by token, interleaved, and some finish and are replaced:
+    physical blocks end up scattered, yet every gather equals stage 0 bit for bit."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    max_len = 80
+    contiguous = ContiguousKVCache(4096, max_len, "max", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+    manager = BlockSpaceManager(num_blocks=4096 // block_size, block_size=block_size)
+    paged = PagedKVCache(LAYERS, 4096 // block_size, block_size, HEADS, DIM)
+
+    def write_both(seq_id, contiguous_slots, n):
+        paged_slots = manager.slot_mapping([seq_id], [n])
+        for layer in range(LAYERS):
+            k, v = torch.randn(2, n, HEADS, DIM)
+            contiguous.write(layer, contiguous_slots, k, v)
+            paged.write(layer, paged_slots, k, v)
+
+    def start(seq_id):
+        prompt = rng.randint(1, 40)
+        contiguous.allocate(seq_id, prompt, max_len - prompt)
+        manager.allocate(seq_id, prompt)
+        write_both(seq_id, contiguous.append(seq_id, prompt), prompt)
+
+    live = list(range(12))
+    for seq_id in live:
+        start(seq_id)
+    next_id = len(live)
+    for _ in range(300):
+        seq_id = rng.choice(live)
+        if contiguous.slabs[seq_id].num_tokens == max_len or rng.random() < 0.02:
+            contiguous.free(seq_id)
+            manager.free(seq_id)
+            live.remove(seq_id)
+            start(next_id)
+            live.append(next_id)
+            next_id += 1
+            continue
+        manager.append_slot(seq_id)
+        write_both(seq_id, contiguous.append(seq_id), 1)
+    assert next_id > 12  # some sequences ended and others took their blocks
+    for seq_id in live:
+        table = manager.get_block_table(seq_id)
+        n = contiguous.slabs[seq_id].num_tokens
+        for layer in range(LAYERS):
+            k_ref, v_ref = contiguous.read(layer, seq_id)
+            k, v = paged.gather(layer, table, n)
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_tensor_layout_and_slot_formula():
+    cache = PagedKVCache(3, 10, 4, 2, 8, dtype=torch.float16)
+    assert len(cache.key_cache) == 3 and cache.key_cache[0].shape == (10, 4, 2, 8)
+    assert cache.value_cache[2].dtype == torch.float16
+    manager = BlockSpaceManager(10, 4)
+    manager.allocate("a", 3)
+    manager.allocate("b", 6)
+    assert manager.get_block_table("a") == [0] and manager.get_block_table("b") == [1, 2]
+    assert [manager.slot_of("b", p) for p in range(6)] == [4, 5, 6, 7, 8, 9]
+    assert manager.slot_mapping(["a", "b"], [3, 2]).tolist() == [0, 1, 2, 8, 9]
+    assert manager.slot_mapping(["b"], [1]).dtype == torch.int64
+
+
+def test_append_slot_takes_a_block_only_when_the_last_is_full():
+    manager = BlockSpaceManager(4, 4)
+    manager.allocate("a", 3)
+    assert manager.num_free_blocks == 3
+    assert manager.append_slot("a") == 3 and manager.num_free_blocks == 3  # fills block 0
+    assert manager.append_slot("a") == 4 and manager.num_free_blocks == 2  # block 1, offset 0
+    assert manager.get_block_table("a") == [0, 1]
+    assert manager.block_tables["a"].num_tokens == 5
+
+
+def test_out_of_blocks_changes_nothing_and_free_returns_everything():
+    manager = BlockSpaceManager(3, 2)
+    manager.allocate("a", 4)
+    manager.allocate("b", 2)
+    assert not manager.can_allocate(1) and not manager.can_append_slot("b")
+    with pytest.raises(OutOfBlocksError, match="asked for 1 block"):
+        manager.append_slot("b")
+    with pytest.raises(OutOfBlocksError):
+        manager.allocate("c", 1)
+    assert manager.block_tables["b"].num_tokens == 2 and "c" not in manager.block_tables
+    manager.free("a")
+    assert manager.can_allocate(4) and not manager.can_allocate(5)
+    manager.free("b")
+    assert manager.num_free_blocks == 3
+
+
+def test_bad_requests_are_refused_with_a_reason():
+    manager = BlockSpaceManager(4, 16)
+    with pytest.raises(ValueError, match="needs 5 blocks of 16 tokens; the cache has only 4: it can never fit"):
+        manager.allocate("huge", 65)
+    with pytest.raises(ValueError, match="num_tokens must be a positive integer"):
+        manager.allocate("empty", 0)
+    manager.allocate("a", 1)
+    with pytest.raises(ValueError, match="already has a block table"):
+        manager.allocate("a", 1)
+    manager.free("a")
+    with pytest.raises(KeyError, match="never allocated, or freed"):
+        manager.free("a")
+    with pytest.raises(KeyError):
+        manager.append_slot("ghost")
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        BlockSpaceManager(4, 0)
+    with pytest.raises(ValueError, match="head_dim must be a positive integer"):
+        PagedKVCache(1, 4, 16, 2, 0)
+    assert manager.num_free_blocks == 4
+
+
+def test_write_skips_minus_one_and_checks_shapes():
+    cache = PagedKVCache(1, 2, 2, 1, 1)
+    k = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
+    cache.write(0, torch.tensor([3, -1, 0]), k, -k)
+    assert cache.key_cache[0].flatten().tolist() == [3.0, 0.0, 0.0, 1.0]
+    assert cache.value_cache[0].flatten().tolist() == [-3.0, 0.0, 0.0, -1.0]
+    with pytest.raises(ValueError, match="key must have shape"):
+        cache.write(0, torch.tensor([0]), k, k)
+    with pytest.raises(ValueError, match="slot 4 is outside the cache"):
+        cache.write(0, torch.tensor([4]), k[:1], k[:1])
+    with pytest.raises(ValueError, match="needs 2 blocks; the table has 1"):
+        cache.gather(0, [1], 3)
+
+
+def test_usage_counts_only_the_slack_of_last_blocks():
+    manager = BlockSpaceManager(8, 4)
+    manager.allocate("a", 5)  # 2 blocks, 3 slots of slack
+    manager.allocate("b", 4)  # 1 full block
+    assert manager.usage() == CacheUsage(total=32, token=9, reserved=0, internal=3, external=0, free=20)
+    tables = manager.block_tables_tensor(["a", "b"])
+    assert tables.dtype == torch.int32 and tables.tolist() == [[0, 1], [2, 0]]
+
+
+class PagedCacheMachine(RuleBasedStateMachine):
+    """Random allocate / append / free, with a shadow of every sequence's K/V."""
+
+    def __init__(self):
+        super().__init__()
+        self.manager = BlockSpaceManager(num_blocks=10, block_size=3)
+        self.cache = PagedKVCache(1, 10, 3, 1, 1)
+        self.shadow: dict[int, list[float]] = {}
+        self.counter = 0
+
+    def _write(self, seq_id, n):
+        values = [float(self.counter * 1000 + i) for i in range(n)]
+        self.counter += 1
+        kv = torch.tensor(values).view(n, 1, 1)
+        self.cache.write(0, self.manager.slot_mapping([seq_id], [n]), kv, -kv)
+        self.shadow[seq_id].extend(values)
+
+    @rule(n=st.integers(1, 12))
+    def allocate(self, n):
+        seq_id = self.counter
+        if self.manager.can_allocate(n):
+            self.manager.allocate(seq_id, n)
+            self.shadow[seq_id] = []
+            self._write(seq_id, n)
+        else:
+            with pytest.raises(OutOfBlocksError):
+                self.manager.allocate(seq_id, n)
+            self.counter += 1
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def append(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
+        if self.manager.can_append_slot(seq_id):
+            self.manager.append_slot(seq_id)
+            self._write(seq_id, 1)
+        else:
+            with pytest.raises(OutOfBlocksError):
+                self.manager.append_slot(seq_id)
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
+        self.manager.free(seq_id)
+        del self.shadow[seq_id]
+
+    @invariant()
+    def bookkeeping_adds_up(self):
+        held = [b for t in self.manager.block_tables.values() for b in t.block_ids]
+        assert len(held) == len(set(held))  # no block in two tables (no sharing yet)
+        assert self.manager.num_free_blocks + len(held) == 10
+        for seq_id, table in self.manager.block_tables.items():
+            assert len(table.block_ids) == self.manager.blocks_needed(table.num_tokens)
+            assert table.num_tokens == len(self.shadow[seq_id])
+
+    @invariant()
+    def contents_equal_the_shadow(self):
+        for seq_id, values in self.shadow.items():
+            k, v = self.cache.gather(0, self.manager.get_block_table(seq_id), len(values))
+            assert k.flatten().tolist() == values and v.flatten().tolist() == [-x for x in values]
+
+    def teardown(self):
+        for seq_id in list(self.shadow):
+            self.manager.free(seq_id)
+        assert self.manager.num_free_blocks == 10  # nothing leaked
+
+
+TestPagedCacheMachine = PagedCacheMachine.TestCase
+TestPagedCacheMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

@@ -1,0 +1,257 @@
+"""Stage 3: shared blocks, checked against unshared caches (stages 2 and 0)."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minipaged.stage0_contiguous import ContiguousKVCache
+from minipaged.stage1_block_allocator import OutOfBlocksError
+from minipaged.stage2_block_table import BlockSpaceManager, PagedKVCache
+from minipaged.stage3_copy_on_write import (
+    CowBlockSpaceManager,
+    CowPagedKVCache,
+    RefCountedBlockAllocator,
+)
+
+pytestmark = pytest.mark.stage3
+
+HEADS, DIM, LAYERS = 2, 4, 2
+
+
+def _step(manager, cache, seq_id, kv_of_token):
+    """Append one token of ``seq_id`` the way an engine does: copies first, then the write."""
+    slot = manager.append_slot(seq_id)
+    cache.copy_blocks(manager.take_copies())
+    n = manager.block_tables[seq_id].num_tokens
+    for layer in range(LAYERS):
+        k, v = kv_of_token(seq_id, n - 1, layer).unsqueeze(1)  # each (1, HEADS, DIM)
+        cache.write(layer, torch.tensor([slot]), k, v)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_branch_of_a_fork_tree_reads_its_own_unshared_cache(block_size, seed):
+    """A random fork tree: each branch must read exactly what a cache of its own would hold
+    (stage 2 without sharing, and stage 0), while the tree uses fewer physical blocks."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    history: dict[int, list[torch.Tensor]] = {}  # seq -> per token, (LAYERS, 2, HEADS, DIM)
+
+    def kv_of_token(seq_id, position, layer):
+        return history[seq_id][position][layer]
+
+    shared = CowBlockSpaceManager(2000, block_size)
+    cache = CowPagedKVCache(LAYERS, 2000, block_size, HEADS, DIM)
+    prompt = rng.randint(1, 3 * block_size + 2)
+    history[0] = [torch.randn(LAYERS, 2, HEADS, DIM) for _ in range(prompt)]
+    shared.allocate(0, prompt)
+    slots = shared.slot_mapping([0], [prompt])
+    for layer in range(LAYERS):
+        k, v = torch.stack([t[layer] for t in history[0]]).unbind(1)
+        cache.write(layer, slots, k, v)
+    for _ in range(120):
+        live = sorted(shared.block_tables)
+        seq_id = rng.choice(live)
+        if rng.random() < 0.2 and len(live) < 10:  # fork a new branch
+            child = max(history) + 1
+            shared.fork(seq_id, child)
+            history[child] = list(history[seq_id])
+        elif rng.random() < 0.05 and len(live) > 1:  # a branch is dropped
+            shared.free(seq_id)
+        else:  # a branch generates its own next token
+            history[seq_id].append(torch.randn(LAYERS, 2, HEADS, DIM))
+            _step(shared, cache, seq_id, kv_of_token)
+
+    live = sorted(shared.block_tables)
+    unshared = BlockSpaceManager(2000, block_size)
+    plain = PagedKVCache(LAYERS, 2000, block_size, HEADS, DIM)
+    contiguous = ContiguousKVCache(2000 * block_size, 2000, "oracle", num_layers=LAYERS,
+                                   num_kv_heads=HEADS, head_dim=DIM)
+    for seq_id in live:
+        n = len(history[seq_id])
+        assert shared.block_tables[seq_id].num_tokens == n
+        unshared.allocate(seq_id, n)
+        contiguous.allocate(seq_id, n, 0)
+        c_slots, p_slots = contiguous.append(seq_id, n), unshared.slot_mapping([seq_id], [n])
+        for layer in range(LAYERS):
+            k, v = torch.stack([t[layer] for t in history[seq_id]]).unbind(1)
+            plain.write(layer, p_slots, k, v)
+            contiguous.write(layer, c_slots, k, v)
+        for layer in range(LAYERS):
+            got = cache.gather(layer, shared.get_block_table(seq_id), n)
+            own = plain.gather(layer, unshared.get_block_table(seq_id), n)
+            ref = contiguous.read(layer, seq_id)
+            assert torch.equal(got[0], own[0]) and torch.equal(got[1], own[1])
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    used_shared = shared.num_total_blocks - shared.num_free_blocks
+    distinct = {b for s in live for b in shared.get_block_table(s)}
+    assert used_shared == len(distinct)
+    assert used_shared <= unshared.num_total_blocks - unshared.num_free_blocks
+    if len(live) > 1:
+        assert used_shared < unshared.num_total_blocks - unshared.num_free_blocks
+
+
+def test_shared_system_prompt_is_held_once():
+    """Eight requests forked from one 100-token system prompt (block 16): the 6 full
+    blocks are held once; the partial 7th is copied on write by each writer but the last."""
+    manager = CowBlockSpaceManager(64, 16)
+    manager.allocate("system", 100)
+    for i in range(8):
+        manager.fork("system", i)
+    manager.free("system")
+    assert manager.num_total_blocks - manager.num_free_blocks == 7
+    partial = manager.get_block_table(0)[6]
+    copies = []
+    for i in range(8):
+        manager.append_slot(i)
+        copies += manager.take_copies()
+    table0 = manager.get_block_table(0)
+    assert all(manager.get_block_table(i)[:6] == table0[:6] for i in range(8))
+    assert all(manager.ref_count(b) == 8 for b in table0[:6])
+    assert len(copies) == 7 and {src for src, _ in copies} == {partial}
+    assert manager.get_block_table(7)[6] == partial  # the last writer keeps the original
+    assert manager.num_total_blocks - manager.num_free_blocks == 6 + 8  # unshared: 8 * 7 = 56
+
+
+def test_copy_on_write_only_for_a_shared_partial_last_block():
+    manager = CowBlockSpaceManager(10, 4)
+    manager.allocate("p", 6)  # blocks [0, 1]; block 1 holds 2 of 4
+    manager.fork("p", "c")
+    assert manager.ref_count(0) == 2 and manager.ref_count(1) == 2
+    slot = manager.append_slot("c")
+    assert manager.take_copies() == [(1, 2)] and manager.get_block_table("c") == [0, 2]
+    assert slot == 2 * 4 + 2 and manager.ref_count(1) == 1
+    manager.append_slot("p")  # block 1 is p's alone now: written in place
+    assert manager.take_copies() == [] and manager.get_block_table("p") == [0, 1]
+    manager.allocate("q", 4)  # one full block
+    manager.fork("q", "r")
+    manager.append_slot("r")  # full last block: a new block, nothing to copy
+    assert manager.take_copies() == [] and manager.get_block_table("r")[0] == manager.get_block_table("q")[0]
+
+
+def test_copy_blocks_copies_every_layer():
+    cache = CowPagedKVCache(3, 4, 2, 1, 2)
+    for layer in range(3):
+        cache.key_cache[layer][1] = layer + 1.0
+        cache.value_cache[layer][3] = -(layer + 1.0)
+    cache.copy_blocks([(1, 0), (3, 2)])
+    for layer in range(3):
+        assert torch.equal(cache.key_cache[layer][0], cache.key_cache[layer][1])
+        assert torch.equal(cache.value_cache[layer][2], cache.value_cache[layer][3])
+    cache.copy_blocks([])
+
+
+def test_reference_counts_return_a_block_only_at_zero():
+    allocator = RefCountedBlockAllocator(2)
+    block = allocator.allocate()
+    allocator.incref(block)
+    allocator.incref(block)
+    assert allocator.ref_count(block) == 3
+    allocator.free(block)
+    allocator.free(block)
+    assert not allocator.is_free(block) and allocator.num_free_blocks == 1
+    allocator.free(block)
+    assert allocator.is_free(block) and allocator.ref_count(block) == 0
+    with pytest.raises(ValueError, match="already free"):
+        allocator.free(block)
+    with pytest.raises(ValueError, match="only a block in use can be shared"):
+        allocator.incref(block)
+
+
+def test_refused_fork_and_cow_change_nothing():
+    manager = CowBlockSpaceManager(2, 4)
+    manager.allocate("p", 6)
+    manager.fork("p", "c")
+    with pytest.raises(ValueError, match="already has a block table"):
+        manager.fork("p", "c")
+    with pytest.raises(KeyError):
+        manager.fork("ghost", "x")
+    assert not manager.can_append_slot("c")  # copy-on-write needs a free block; none is left
+    with pytest.raises(OutOfBlocksError):
+        manager.append_slot("c")
+    assert manager.get_block_table("c") == [0, 1] and manager.ref_count(1) == 2
+    assert manager.block_tables["c"].num_tokens == 6 and manager.take_copies() == []
+
+
+class SharingMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free against a shadow of every sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.manager = CowBlockSpaceManager(num_blocks=12, block_size=3)
+        self.cache = CowPagedKVCache(1, 12, 3, 1, 1)
+        self.shadow: dict[int, list[float]] = {}
+        self.counter = 0
+
+    def _new_id(self):
+        self.counter += 1
+        return self.counter
+
+    @rule(n=st.integers(1, 10))
+    def allocate(self, n):
+        seq_id = self._new_id()
+        if not self.manager.can_allocate(n):
+            with pytest.raises(OutOfBlocksError):
+                self.manager.allocate(seq_id, n)
+            return
+        self.manager.allocate(seq_id, n)
+        values = [float(seq_id * 1000 + i) for i in range(n)]
+        kv = torch.tensor(values).view(n, 1, 1)
+        self.cache.write(0, self.manager.slot_mapping([seq_id], [n]), kv, -kv)
+        self.shadow[seq_id] = values
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def append(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
+        if not self.manager.can_append_slot(seq_id):
+            with pytest.raises(OutOfBlocksError):
+                self.manager.append_slot(seq_id)
+            return
+        slot = self.manager.append_slot(seq_id)
+        self.cache.copy_blocks(self.manager.take_copies())
+        value = float(self._new_id() * 1000)
+        self.cache.write(0, torch.tensor([slot]), torch.tensor([[[value]]]), torch.tensor([[[-value]]]))
+        self.shadow[seq_id].append(value)
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.shadow)))
+        child = self._new_id()
+        self.manager.fork(parent, child)
+        self.shadow[child] = list(self.shadow[parent])
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
+        self.manager.free(seq_id)
+        del self.shadow[seq_id]
+
+    @invariant()
+    def ref_counts_equal_references(self):
+        held = [b for t in self.manager.block_tables.values() for b in t.block_ids]
+        for block_id in range(12):
+            assert self.manager.ref_count(block_id) == held.count(block_id)
+            assert self.manager.allocator.is_free(block_id) == (block_id not in held)
+        assert self.manager.num_free_blocks + len(set(held)) == 12
+
+    @invariant()
+    def contents_equal_the_shadow(self):
+        for seq_id, values in self.shadow.items():
+            k, v = self.cache.gather(0, self.manager.get_block_table(seq_id), len(values))
+            assert k.flatten().tolist() == values and v.flatten().tolist() == [-x for x in values]
+
+    def teardown(self):
+        for seq_id in list(self.shadow):
+            self.manager.free(seq_id)
+        assert self.manager.num_free_blocks == 12  # nothing leaked
+
+
+TestSharingMachine = SharingMachine.TestCase
+TestSharingMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
