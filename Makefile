@@ -52,6 +52,8 @@ bench: $(STAMP)
 		case $$script in */workloads.py|*/common.py|*/_*) continue;; esac; \
 		echo "== $$script"; $(PY) $$script --quick || exit 1; \
 	done
+	$(PY) -m pytest bench/micro -p no:cacheprovider -o python_files="bench_*.py" --benchmark-only \
+		--benchmark-columns=min,median,mean,ops --benchmark-sort=name
 
 clean:
 	rm -rf build docs/tutorials .pytest_cache .ruff_cache .benchmarks

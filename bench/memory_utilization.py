@@ -1,8 +1,9 @@
 """How much of the KV memory holds K/V? (the vLLM paper's Figure 2)
 
 Runs a ShareGPT-like trace through stage 0's contiguous cache under the `max`, `pow2` and
-`oracle` reservation policies, in one KV budget (16,384 token slots, about the 12 GB an
-A100-40GB keeps for OPT-13B's cache), and reports the share of memory per kind of slot.
+`oracle` reservation policies, and through stage 2's paged manager (blocks of 16), in one
+KV budget (16,384 token slots, about the 12 GB an A100-40GB keeps for OPT-13B's cache),
+and reports the share of memory per kind of slot while requests wait for memory.
 Writes bench/results/memory_utilization.json and .png; the last line is the headline.
 """
 
@@ -17,10 +18,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minipaged.simulate import format_usage_table, simulate_contiguous, synthetic_requests  # noqa: E402
+from minipaged.simulate import (  # noqa: E402
+    format_usage_table,
+    simulate_contiguous,
+    simulate_paged,
+    synthetic_requests,
+)
 from minipaged.viz import plot_usage  # noqa: E402
 
-PAPER_TOKEN_SHARE = {"max": 20.4, "pow2": 26.8, "oracle": 38.2}
+PAPER_TOKEN_SHARE = {"max": 20.4, "pow2": 26.8, "oracle": 38.2, "paged/16": 96.3}
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -29,8 +35,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short trace")
     parser.add_argument("--slots", type=int, default=16384)
     args = parser.parse_args()
-    trace = synthetic_requests(150 if args.quick else 1000, rate=0.05, seed=0)
+    trace = synthetic_requests(150 if args.quick else 1000, rate=0.2, seed=0)
     results = [simulate_contiguous(trace, p, args.slots, 2048) for p in ("max", "pow2", "oracle")]
+    results.append(simulate_paged(trace, args.slots // 16, 16))
     print(format_usage_table(results))
     RESULTS.mkdir(exist_ok=True)
     payload = {r.policy: {"fractions": r.fractions, "mean_running": r.mean_running,

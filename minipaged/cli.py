@@ -26,17 +26,24 @@ def _grade(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from minipaged.simulate import format_usage_table, simulate_contiguous, synthetic_requests
+    from minipaged.simulate import (
+        format_usage_table,
+        simulate_contiguous,
+        simulate_paged,
+        synthetic_requests,
+    )
 
     requests = synthetic_requests(args.requests, rate=args.rate, seed=args.seed)
     print(f"{len(requests)} ShareGPT-like requests (mean prompt "
           f"{sum(r.prompt_len for r in requests) / len(requests):.0f}, mean output "
           f"{sum(r.output_len for r in requests) / len(requests):.0f} tokens) served first come, "
           f"first served in one arena of {args.slots} token slots, max_model_len 2048.")
-    print("Share of KV memory, averaged over the run, for each reservation policy:\n")
+    print("Share of KV memory while requests wait for it: contiguous slabs under each "
+          "reservation policy (stage 0), then blocks of 16 tokens (stage 2):\n")
     results = [simulate_contiguous(requests, p, args.slots, 2048) for p in ("max", "pow2", "oracle")]
+    results.append(simulate_paged(requests, args.slots // 16, 16))
     print(format_usage_table(results))
-    print("\nOnly the 'token' column holds K/V. Paged attention (stage 2 on) reclaims the rest.")
+    print("\nOnly 'token' holds K/V; 'running' is the batch size that memory allows.")
     return 0
 
 
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="serve a synthetic workload and print where memory goes")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--slots", type=int, default=16384)
-    p.add_argument("--rate", type=float, default=0.05, help="arrivals per decode step")
+    p.add_argument("--rate", type=float, default=0.2, help="arrivals per decode step")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_demo)
 

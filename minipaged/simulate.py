@@ -1,8 +1,9 @@
-"""Synthetic request traces and a step-by-step simulation of the contiguous cache.
+"""Synthetic request traces, and step-by-step simulations of the KV cache.
 
 No model runs here: each step, every running request stores the K/V of one more token.
-What is measured is where the memory goes, with the real stage-0 cache doing the
-bookkeeping.
+What is measured is where the memory goes, with the real caches doing the bookkeeping:
+stage 0's contiguous slabs (``simulate_contiguous``) or stage 2's blocks
+(``simulate_paged``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from minipaged.stage0_contiguous import ContiguousKVCache
+from minipaged.stage2_block_table import BlockSpaceManager
 
 KINDS = ("token", "reserved", "internal", "external", "free")
 
@@ -58,10 +60,26 @@ def synthetic_requests(
 
 @dataclass
 class SimulationResult:
+    """Averages over the *saturated* steps: those in which a request waits for memory."""
+
     policy: str
     fractions: dict[str, float]  # mean share of the arena per kind of slot
-    mean_running: float  # requests holding a slab, on average over the steps
+    mean_running: float  # requests holding memory, on average over the steps
     steps: int
+    preemptions: int = 0
+
+
+def _accumulate(totals: dict[str, float], fractions: dict[str, float], running: int) -> None:
+    for kind, share in fractions.items():
+        totals[kind] += share
+    totals["running"] += running
+    totals["samples"] += 1
+
+
+def _result(policy: str, totals: dict[str, float], steps: int, preemptions: int = 0) -> SimulationResult:
+    samples = max(totals["samples"], 1)
+    fractions = {kind: totals[kind] / samples for kind in KINDS}
+    return SimulationResult(policy, fractions, totals["running"] / samples, steps, preemptions)
 
 
 def simulate_contiguous(
@@ -71,7 +89,8 @@ def simulate_contiguous(
 
     Each step: arrivals join the queue; waiting requests are admitted in order while a
     hole fits the head of the queue (its prompt K/V are stored at once); the usage is
-    sampled; every running request stores one more token; finished requests are freed.
+    sampled if a request still waits (memory is the bottleneck then); every running
+    request stores one more token; finished requests are freed.
     """
     cache = ContiguousKVCache(num_slots, max_model_len, policy, num_layers=0)
     for r in requests:
@@ -80,8 +99,8 @@ def simulate_contiguous(
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
     running: list[Request] = []
-    totals = dict.fromkeys(KINDS, 0.0)
-    running_sum, step = 0, 0
+    totals = dict.fromkeys((*KINDS, "running", "samples"), 0.0)
+    step = 0
     while pending or waiting or running:
         while pending and pending[0].arrival <= step:
             waiting.append(pending.popleft())
@@ -92,9 +111,8 @@ def simulate_contiguous(
             running.append(r)
         head = waiting[0] if waiting else None
         usage = cache.usage(cache.reservation(head.prompt_len, head.output_len) if head else None)
-        for kind, share in usage.fractions().items():
-            totals[kind] += share
-        running_sum += len(running)
+        if waiting:
+            _accumulate(totals, usage.fractions(), len(running))
         step += 1
         still_running = []
         for r in running:
@@ -106,16 +124,62 @@ def simulate_contiguous(
             else:
                 cache.free(r.request_id)
         running = still_running
-    steps = max(step, 1)
-    fractions = {kind: total / steps for kind, total in totals.items()}
-    return SimulationResult(policy, fractions, running_sum / steps, steps)
+    return _result(policy, totals, step)
+
+
+def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 16) -> SimulationResult:
+    """Serve ``requests`` with stage 2's blocks: no reservation, one block at a time.
+
+    Same loop as ``simulate_contiguous``; a request is admitted when its prompt's blocks
+    are free. When a running request needs a block and none is free, the most recently
+    arrived running request is preempted: its blocks are freed and it goes back to the
+    front of the queue, to be recomputed (prompt and generated tokens) when readmitted.
+    """
+    manager = BlockSpaceManager(num_blocks, block_size)
+    for r in requests:
+        if manager.blocks_needed(r.prompt_len + r.output_len) > num_blocks:
+            raise ValueError(f"request {r.request_id} can never fit {num_blocks} blocks")
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    waiting: deque[Request] = deque()
+    running: list[Request] = []  # in arrival order
+    stored = {r.request_id: r.prompt_len for r in requests}  # tokens to hold once admitted
+    totals = dict.fromkeys((*KINDS, "running", "samples"), 0.0)
+    step, preemptions = 0, 0
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= step:
+            waiting.append(pending.popleft())
+        while waiting and manager.can_allocate(stored[waiting[0].request_id]):
+            r = waiting.popleft()
+            manager.allocate(r.request_id, stored[r.request_id])
+            running.append(r)
+            running.sort(key=lambda x: (x.arrival, x.request_id))
+        if waiting:
+            _accumulate(totals, manager.usage().fractions(), len(running))
+        step += 1
+        for r in list(running):
+            if r not in running:
+                continue  # preempted earlier in this step
+            while not manager.can_append_slot(r.request_id):
+                victim = running.pop()  # the most recently arrived
+                manager.free(victim.request_id)
+                waiting.appendleft(victim)
+                preemptions += 1
+                if victim is r:
+                    break
+            else:
+                manager.append_slot(r.request_id)
+                stored[r.request_id] += 1
+                if stored[r.request_id] == r.prompt_len + r.output_len:
+                    manager.free(r.request_id)
+                    running.remove(r)
+    return _result(f"paged/{block_size}", totals, step, preemptions)
 
 
 def format_usage_table(results: list[SimulationResult]) -> str:
     """A text table: one row per policy, the share of memory per kind of slot."""
-    header = f"{'policy':<8}" + "".join(f"{k:>10}" for k in KINDS) + f"{'running':>10}"
+    header = f"{'policy':<10}" + "".join(f"{k:>10}" for k in KINDS) + f"{'running':>10}"
     lines = [header, "-" * len(header)]
     for r in results:
         cells = "".join(f"{100 * r.fractions[k]:>9.1f}%" for k in KINDS)
-        lines.append(f"{r.policy:<8}{cells}{r.mean_running:>10.2f}")
+        lines.append(f"{r.policy:<10}{cells}{r.mean_running:>10.2f}")
     return "\n".join(lines)

@@ -64,3 +64,54 @@ def plot_usage(results: list[SimulationResult], ax=None, labels=None):
     ax.set_ylim(0, 100)
     ax.legend(loc="upper left", bbox_to_anchor=(1, 1), frameon=False)
     return ax
+
+
+SEQ_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
+
+
+def plot_block_tables(manager, ax=None, title=None, seq_ids=None, colors=None):
+    """Each sequence's logical blocks (top rows) and the physical blocks they map to (bottom).
+
+    Logical blocks show the physical id they map to and how full they are; physical
+    blocks are coloured by their owner, hatched and marked ``xN`` when N sequences share
+    them, grey when free. ``colors`` maps sequence ids to colours (to keep them across
+    pictures).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    seq_ids = list(manager.block_tables) if seq_ids is None else list(seq_ids)
+    num_blocks, block_size = manager.num_total_blocks, manager.block_size
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6, 0.45 * num_blocks + 2), 1.0 + 0.55 * len(seq_ids) + 1.2))
+    owners: dict[int, list] = {}
+    for seq_id in seq_ids:
+        for block_id in manager.block_tables[seq_id].block_ids:
+            owners.setdefault(block_id, []).append(seq_id)
+    color = {s: SEQ_COLORS[i % len(SEQ_COLORS)] for i, s in enumerate(seq_ids)}
+    color.update(colors or {})
+    bottom = -1.6
+    for row, seq_id in enumerate(seq_ids):
+        y = len(seq_ids) - 1 - row
+        table = manager.block_tables[seq_id]
+        ax.text(-0.4, y + 0.4, str(seq_id), ha="right", va="center")
+        for j, block_id in enumerate(table.block_ids):
+            fill = min(block_size, table.num_tokens - j * block_size) / block_size
+            ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[seq_id]))
+            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=color[seq_id], alpha=0.35))
+            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=8)
+            ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[seq_id], alpha=0.4, lw=1)
+    for block_id in range(num_blocks):
+        holders = owners.get(block_id, [])
+        face = "#eeeeee" if not holders else color[holders[0]] if len(holders) == 1 else "#bbbbbb"
+        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black",
+                               hatch="//" if len(holders) > 1 else None, lw=0.6))
+        label = f"x{len(holders)}" if len(holders) > 1 else str(block_id)
+        ax.text(block_id + 0.45, bottom + 0.4, label, ha="center", va="center", fontsize=7)
+    ax.text(-0.4, bottom + 0.4, "physical", ha="right", va="center")
+    ax.set_xlim(-2.5, max(num_blocks, 1) + 0.5)
+    ax.set_ylim(bottom - 0.3, len(seq_ids) + 0.1)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left")
+    return ax
