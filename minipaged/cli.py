@@ -20,7 +20,7 @@ def _exercise(args: argparse.Namespace) -> int:
 def _grade(args: argparse.Namespace) -> int:
     from minipaged.exercise import format_grades, grade
 
-    rows = grade(Path(args.directory))
+    rows = grade(Path(args.directory), args.stage)
     print(format_grades(rows))
     return 0 if rows and all(r.status == "complete" for r in rows) else 1
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("grade", help="run the stage tests of a workspace and print a table")
     p.add_argument("directory", nargs="?", default=".")
+    p.add_argument("--stage", type=int, action="append", help="grade only this stage (repeatable)")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("demo", help="serve a synthetic workload and print where memory goes")

@@ -158,10 +158,12 @@ def test_cli_writes_a_workspace_and_grades_it(tmp_path):
     done = subprocess.run([*cli, "exercise", "0", "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0 and "pytest -k stage0" in done.stdout
     assert "NotImplementedError('stage 0:" in (out / "minipaged" / "stage0_contiguous.py").read_text()
-    graded = subprocess.run([*cli, "grade", str(out)], capture_output=True, text=True, cwd=REPO_DIR)
+    graded = subprocess.run([*cli, "grade", str(out), "--stage", "0", "--stage", "1"],
+                            capture_output=True, text=True, cwd=REPO_DIR)
     assert graded.returncode == 1, graded.stderr
     row = next(line for line in graded.stdout.splitlines() if line.startswith("0 "))
     assert re.match(r"0\s+0/\d+\s+not started", row)
+    assert re.search(r"^1\s+(\d+)/\1\s+complete$", graded.stdout, re.M)  # stage 1 is the reference
     again = subprocess.run([*cli, "exercise", "0", "--out", str(out)], capture_output=True, text=True)
     assert again.returncode == 2 and "--force" in again.stderr
 
