@@ -1,11 +1,18 @@
-"""Make ``import minipaged`` mean the package next to this file.
+"""Make ``import minipaged`` mean the package next to this file, and Triton run without a GPU.
 
 An exercise workspace is a copy of this folder with one stage stubbed; its tests must
-grade the workspace's code, never a minipaged installed elsewhere.
+grade the workspace's code, never a minipaged installed elsewhere. Without CUDA, Triton's
+interpreter must be switched on before Triton is first imported, whoever imports it.
 """
 
+import os
 import sys
 from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent
 if sys.path[:1] != [str(ROOT)]:

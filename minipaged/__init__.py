@@ -20,6 +20,12 @@ from minipaged.stage3_copy_on_write import (
     CowPagedKVCache,
     RefCountedBlockAllocator,
 )
+from minipaged.stage4_reference_attention import check_paged_attention_args, paged_attention_ref
+
+try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4 serves
+    from minipaged.stage5_triton_attention import paged_attention_triton
+except ImportError:  # pragma: no cover
+    paged_attention_triton = None
 
 __version__ = "0.1.0"
 
@@ -38,5 +44,8 @@ __all__ = [
     "RefCountedBlockAllocator",
     "Slab",
     "UnknownRequestError",
+    "check_paged_attention_args",
     "dense_attention",
+    "paged_attention_ref",
+    "paged_attention_triton",
 ]

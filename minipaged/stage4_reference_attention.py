@@ -1,0 +1,136 @@
+"""Stage 4 — paged attention, the PyTorch reference: gather through the block table, attend.
+
+Stages 1–3 decided *where* K/V live: in blocks scattered over the cache, found through
+each sequence's block table. Attention must now read them from there. This stage does it
+the plainest way: for each sequence, gather its blocks in logical order into contiguous
+K/V, then run stage 0's ``dense_attention``. It is slow (it copies every K/V it reads),
+but obviously right, so it is the reference the Triton kernels of stage 5 are checked
+against.
+
+The arguments are vLLM's:
+
+* ``query`` — decode: ``(num_seqs, num_heads, head_dim)``, one new token per sequence.
+  Variable length: ``(num_tokens, num_heads, head_dim)`` with ``query_start_loc``, int32
+  ``(num_seqs + 1,)``: sequence ``i`` owns query rows ``query_start_loc[i] ..
+  query_start_loc[i+1] - 1``, its *last* tokens (a prefill, or a chunk after a cached
+  prefix), attending causally.
+* ``key_cache``, ``value_cache`` — ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+* ``block_tables`` — int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's
+  blocks are never read.
+* ``seq_lens`` — int32 ``(num_seqs,)``: tokens of context, the new ones included (their
+  K/V are already written into the cache).
+
+``check_paged_attention_args`` is shared with stage 5: a wrong shape, dtype or device, a
+``seq_len`` beyond what the block table holds, or a block id outside the cache is a
+``ValueError`` naming the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipaged.stage0_contiguous import dense_attention
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fail(argument: str, expected: str, got: object) -> None:
+    raise ValueError(f"{argument}: expected {expected}, got {got}")
+
+
+def check_paged_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the argument if the inputs are inconsistent."""
+    if key_cache.dim() != 4:
+        _fail("key_cache", "4 dims (num_blocks, block_size, num_kv_heads, head_dim)", tuple(key_cache.shape))
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if value_cache.shape != key_cache.shape:
+        _fail("value_cache", f"the shape of key_cache {tuple(key_cache.shape)}", tuple(value_cache.shape))
+    if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        _fail("query", f"(num_tokens, num_heads, {head_dim}) with num_heads a multiple of "
+              f"num_kv_heads={num_kv_heads}", tuple(query.shape))
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in DTYPES or t.dtype != query.dtype:
+            _fail(f"{name}.dtype", f"the query's dtype, one of {DTYPES}", t.dtype)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t is not None and t.device != query.device:
+            _fail(f"{name}.device", f"the query's device {query.device}", t.device)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dtype != torch.int32 or num_seqs < 0:
+        _fail("seq_lens", "int32 (num_seqs,)", f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        _fail("block_tables", f"int32 ({num_seqs}, max_blocks_per_seq)",
+              f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if query_start_loc is None:
+        if query.shape[0] != num_seqs:
+            _fail("query", f"one decode query per sequence ({num_seqs}, ...) without query_start_loc",
+                  tuple(query.shape))
+        query_lens = torch.ones_like(seq_lens)
+    else:
+        if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_seqs + 1,):
+            _fail("query_start_loc", f"int32 ({num_seqs + 1},)",
+                  f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != query.shape[0] or bool((query_lens < 0).any()):
+            _fail("query_start_loc", f"non-decreasing from 0 to num_tokens={query.shape[0]}",
+                  query_start_loc.tolist())
+    if num_seqs and bool((seq_lens < query_lens).any() or (seq_lens < 1).any()):
+        _fail("seq_lens", "at least 1, and at least each sequence's number of queries", seq_lens.tolist())
+    blocks_needed = (seq_lens.long() + block_size - 1) // block_size
+    if num_seqs and int(blocks_needed.max()) > block_tables.shape[1]:
+        _fail("seq_lens", f"at most {block_tables.shape[1]} blocks x {block_size} tokens per sequence "
+              "(the width of block_tables)", seq_lens.tolist())
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < blocks_needed[:, None]
+    ids = block_tables[used]
+    if ids.numel() and bool(((ids < 0) | (ids >= num_blocks)).any()):
+        _fail("block_tables", f"block ids in 0 .. {num_blocks - 1} for the blocks in use",
+              sorted(set(ids[(ids < 0) | (ids >= num_blocks)].tolist())))
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, in logical order."""
+    # BEGIN SOLUTION index the sequence's blocks, flatten blocks x slots, keep seq_len tokens
+    block_size = key_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    ids = block_table[:num_blocks].long()
+    keys = key_cache[ids].flatten(0, 1)[:seq_len]  # (num_blocks * block_size, kv_heads, dim)
+    values = value_cache[ids].flatten(0, 1)[:seq_len]
+    return keys, values
+    # END SOLUTION
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    query_start_loc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` over each sequence's K/V in the paged cache; shape of ``query``.
+
+    Decode when ``query_start_loc`` is None (one query per sequence), variable length
+    otherwise. ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    """
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    # BEGIN SOLUTION per sequence: its query rows, its gathered K/V, causal dense attention
+    out = torch.empty_like(query)
+    starts = list(range(query.shape[0] + 1)) if query_start_loc is None else query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[i], starts[i + 1])
+        if rows.start == rows.stop:
+            continue
+        keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
+        out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)
+    return out
+    # END SOLUTION

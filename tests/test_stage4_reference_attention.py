@@ -1,0 +1,106 @@
+"""Stage 4: the PyTorch paged attention reference, checked against stage 0's dense attention."""
+
+import pytest
+import torch
+from helpers_attention import make_paged_inputs
+
+from minipaged.stage0_contiguous import dense_attention
+from minipaged.stage4_reference_attention import paged_attention_ref
+
+pytestmark = pytest.mark.stage4
+
+HEADS = [(8, 8), (14, 2), (32, 8), (4, 1)]  # MHA, GQA (Qwen2.5-0.5B), GQA (Llama-3-8B), MQA
+HEAD_DIMS = [64, 80, 96, 112, 128, 256]
+
+
+def expected_outputs(args, contiguous, scale=None):
+    query = args[0]
+    out = torch.empty_like(query)
+    for keys, values, rows in contiguous:
+        if rows.start != rows.stop:
+            out[rows] = dense_attention(query[rows], keys, values, scale=scale)
+    return out
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa7", "gqa4", "mqa"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_equals_dense_attention_on_contiguous_kv(heads, head_dim):
+    block_size = {64: 16, 80: 1, 96: 3, 112: 32, 128: 16, 256: 5}[head_dim]
+    args, contiguous = make_paged_inputs(*heads, head_dim, block_size, [1, 17, 300, 2049], seed=head_dim)
+    torch.testing.assert_close(paged_attention_ref(*args[:5]), expected_outputs(args, contiguous),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16, 32, 64])
+def test_any_block_size_and_contexts_up_to_thousands(block_size):
+    lens = [1, block_size, block_size + 1, 1000, 4100]
+    args, contiguous = make_paged_inputs(14, 2, 64, block_size, lens, seed=block_size)
+    torch.testing.assert_close(paged_attention_ref(*args[:5], scale=0.1),
+                               expected_outputs(args, contiguous, scale=0.1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,query_lens",
+    [([7, 40], [7, 40]),              # prefills
+     ([100, 33, 9], [20, 1, 9]),      # a chunk after a cached prefix, a decode, a prefill
+     ([50, 60], [0, 3]),              # a sequence with no query this step
+     ([1], [1])],
+    ids=["prefill", "mixed", "empty", "single"],
+)
+def test_variable_length_queries_are_causal_and_aligned_to_the_end(seq_lens, query_lens):
+    args, contiguous = make_paged_inputs(8, 2, 64, 16, seq_lens, query_lens, seed=3)
+    out = paged_attention_ref(*args[:5], query_start_loc=args[5])
+    torch.testing.assert_close(out, expected_outputs(args, contiguous), rtol=1e-5, atol=1e-5)
+    # the last query of a sequence attends to the whole context, like a decode step
+    first = contiguous[0][2]
+    if first.stop > first.start:
+        k, v, _ = contiguous[0]
+        torch.testing.assert_close(out[first.stop - 1], dense_attention(args[0][first.stop - 1 : first.stop], k, v)[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision_is_close_to_a_float32_reference(dtype, tol):
+    args32, contiguous32 = make_paged_inputs(32, 8, 128, 16, [3, 500, 1500], seed=7)
+    args, _ = make_paged_inputs(32, 8, 128, 16, [3, 500, 1500], dtype=dtype, seed=7)
+    out = paged_attention_ref(*args[:5])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected_outputs(args32, contiguous32), rtol=tol, atol=tol)
+
+
+def _bad(args, **change):
+    names = ["query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc"]
+    values = dict(zip(names, args, strict=True))
+    values.update(change)
+    return [values[n] for n in names]
+
+
+def _cases(args):
+    q, kc, vc, bt, sl, _ = args
+    return {
+        "query head_dim": (_bad(args, query=q[..., :32]), "query: expected .num_tokens, num_heads, 64."),
+        "query heads": (_bad(args, query=q[:, :3]), "multiple of num_kv_heads=2"),
+        "query rows": (_bad(args, query=q[:1]), "one decode query per sequence"),
+        "dtype": (_bad(args, query=q.half()), "key_cache.dtype: expected the query's dtype"),
+        "integer dtype": (_bad(args, query=q.long(), key_cache=kc.long(), value_cache=vc.long()), "query.dtype"),
+        "value shape": (_bad(args, value_cache=vc[:, :8]), "value_cache: expected the shape of key_cache"),
+        "cache dims": (_bad(args, key_cache=kc[0]), "key_cache: expected 4 dims"),
+        "seq_lens dtype": (_bad(args, seq_lens=sl.long()), "seq_lens: expected int32"),
+        "table dtype": (_bad(args, block_tables=bt.long()), "block_tables: expected int32"),
+        "seq_len too long": (_bad(args, seq_lens=sl + 64), "seq_lens: expected at most 5 blocks x 16 tokens"),
+        "seq_len zero": (_bad(args, seq_lens=sl * 0), "seq_lens: expected at least 1"),
+        "block id": (_bad(args, block_tables=torch.where(bt == bt[0, 0], 999, bt).int()), r"block ids in 0 .. \d+ .*\[999\]"),
+        "negative block id": (_bad(args, block_tables=torch.where(bt == bt[1, 0], -1, bt).int()), r"\[-1\]"),
+        "query_start_loc": (_bad(args, query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), "query_start_loc: expected non-decreasing"),
+        "query_start_loc dtype": (_bad(args, query_start_loc=torch.tensor([0, 1, 2])), "query_start_loc: expected int32 .3,."),
+        "device": (_bad(args, seq_lens=sl.to("meta")), "seq_lens.device: expected the query's device"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases(make_paged_inputs(4, 2, 64, 16, [20, 35])[0])))
+def test_bad_arguments_name_the_argument_and_what_was_expected(case):
+    args, contiguous = make_paged_inputs(4, 2, 64, 16, [20, 35], seed=1)
+    torch.testing.assert_close(paged_attention_ref(*args[:5]), expected_outputs(args, contiguous))
+    bad, message = _cases(args)[case]
+    with pytest.raises(ValueError, match=message):
+        paged_attention_ref(*bad[:5], query_start_loc=bad[5])

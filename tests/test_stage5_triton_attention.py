@@ -1,0 +1,123 @@
+"""Stage 5: the Triton kernels, checked against stage 4's reference.
+
+Without CUDA the kernels run in Triton's interpreter, in float32 (the module sets
+TRITON_INTERPRET=1 before importing Triton). Cases marked ``gpu`` run on a CUDA device.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_attention import make_paged_inputs
+
+pytest.importorskip("triton")
+
+from minipaged.stage4_reference_attention import paged_attention_ref  # noqa: E402
+from minipaged.stage5_triton_attention import PARTITION_SIZE, paged_attention_triton  # noqa: E402
+
+pytestmark = pytest.mark.stage5
+
+CASES = [  # heads, kv_heads, head_dim, block_size, seq_lens
+    (8, 8, 64, 16, [1, 16, 17, 300]),
+    (14, 2, 64, 16, [5, 700, 1200]),  # Qwen2.5-0.5B's 7:1 grouping; more than two partitions
+    (32, 8, 128, 16, [33, PARTITION_SIZE, PARTITION_SIZE + 1]),
+    (4, 1, 80, 3, [1, 2, 3, 100]),
+    (8, 2, 96, 1, [1, 40, 77]),
+    (6, 3, 112, 32, [31, 32, 33, 600]),
+    (4, 4, 256, 5, [9, 130]),
+    (12, 4, 128, 7, [1000]),
+]
+IDS = [f"h{c[0]}kv{c[1]}d{c[2]}b{c[3]}" for c in CASES]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_decode_kernels_equal_the_reference(case, version):
+    heads, kv_heads, head_dim, block_size, seq_lens = case
+    args, _ = make_paged_inputs(heads, kv_heads, head_dim, block_size, seq_lens, seed=head_dim + block_size)
+    expected = paged_attention_ref(*args[:5])
+    out = paged_attention_triton(*args[:5], version=version)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,seq_lens,query_lens",
+    [(8, 2, 64, 16, [40, 90], [40, 30]),
+     (14, 2, 64, 3, [70, 5, 20], [1, 5, 0]),
+     (4, 1, 80, 16, [33, 64], [33, 17]),
+     (4, 4, 256, 32, [50], [50])],
+    ids=["prefill+chunk", "decode+empty", "d80", "d256"],
+)
+def test_prefill_kernel_equals_the_reference(heads, kv_heads, head_dim, block_size, seq_lens, query_lens):
+    args, _ = make_paged_inputs(heads, kv_heads, head_dim, block_size, seq_lens, query_lens, seed=5)
+    expected = paged_attention_ref(*args[:5], query_start_loc=args[5])
+    out = paged_attention_triton(*args[:5], query_start_loc=args[5])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_same_checks_as_the_reference_and_a_known_version():
+    args, _ = make_paged_inputs(4, 2, 64, 16, [20, 35])
+    torch.testing.assert_close(paged_attention_triton(*args[:5], version="v1"), paged_attention_ref(*args[:5]))
+    with pytest.raises(ValueError, match="version: expected one of"):
+        paged_attention_triton(*args[:5], version="v3")
+    with pytest.raises(ValueError, match="seq_lens: expected at most"):
+        paged_attention_triton(*args[:4], args[4] + 100)
+
+
+COMPILE = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import minipaged.stage5_triton_attention as s5
+
+dtype, arch = sys.argv[1], int(sys.argv[2])
+types = {n: "*" + dtype for n in ("out", "query", "key_cache", "value_cache")}
+types.update(block_tables="*i32", seq_lens="*i32", query_start_loc="*i32", scale="fp32",
+             tmp_acc="*fp32", tmp_m="*fp32", tmp_l="*fp32")
+common = dict(GROUP=4, HEAD_DIM=128, D_PAD=128, PRECISION="ieee" if dtype == "fp32" else "tf32",
+              GROUP_PAD=16, BLOCK_N=64, BLOCK_M=32, PARTITION=512, PARTS_PAD=16)
+for fn in (s5._decode_v1_kernel, s5._decode_v2_partial_kernel, s5._decode_v2_reduce_kernel, s5._prefill_kernel):
+    names = fn.arg_names
+    consts = {k: v for k, v in common.items() if k in names}
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    print("compiled", fn.fn.__name__)
+"""
+
+
+@pytest.mark.parametrize("dtype,arch", [("fp16", 80), ("bf16", 90)])
+def test_kernels_compile_for_nvidia_gpus_without_one(dtype, arch):
+    """Triton ships ptxas: compile every kernel to machine code for sm_80 / sm_90 offline."""
+    import triton
+
+    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas")):
+        pytest.skip("this Triton build ships no ptxas")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", COMPILE, dtype, str(arch)], capture_output=True,
+                          text=True, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 4
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("version", ["v1", "v2", "prefill"])
+def test_on_the_gpu_in_half_precision(dtype, tol, version):
+    query_lens = [30, 1, 200] if version == "prefill" else None
+    args, _ = make_paged_inputs(32, 8, 128, 16, [30, 4000, 700], query_lens, dtype=dtype, device="cuda", seed=9)
+    args32, _ = make_paged_inputs(32, 8, 128, 16, [30, 4000, 700], query_lens, device="cuda", seed=9)
+    expected = paged_attention_ref(*args32[:5], query_start_loc=args32[5])
+    out = paged_attention_triton(*args[:5], query_start_loc=args[5], version="v2" if version == "prefill" else version)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
