@@ -55,9 +55,11 @@ def check_paged_attention_args(
     if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
         _fail("query", f"(num_tokens, num_heads, {head_dim}) with num_heads a multiple of "
               f"num_kv_heads={num_kv_heads}", tuple(query.shape))
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype not in DTYPES or t.dtype != query.dtype:
-            _fail(f"{name}.dtype", f"the query's dtype, one of {DTYPES}", t.dtype)
+    if query.dtype not in DTYPES:
+        _fail("query.dtype", f"one of {DTYPES}", query.dtype)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype != query.dtype:
+            _fail(f"{name}.dtype", f"{query.dtype}, the query's dtype", t.dtype)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
                     ("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t is not None and t.device != query.device:

@@ -115,3 +115,63 @@ def plot_block_tables(manager, ax=None, title=None, seq_ids=None, colors=None):
     if title:
         ax.set_title(title, loc="left")
     return ax
+
+
+def plot_gather(block_table, seq_len: int, block_size: int, num_blocks: int, ax=None, title=None):
+    """How a block table drives the gather: physical slots (top) to contiguous K/V rows (bottom)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    block_table = [int(b) for b in block_table]
+    width = num_blocks * block_size
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.8))
+    for block_id in range(num_blocks):  # the physical cache, slot by slot
+        ax.add_patch(Rectangle((block_id * block_size, 2), block_size, 1, facecolor="#eeeeee",
+                               edgecolor="black", lw=0.8))
+        ax.text(block_id * block_size + block_size / 2, 3.25, f"block {block_id}", ha="center", fontsize=7)
+    for t in range(seq_len):
+        logical = t // block_size
+        color = SEQ_COLORS[logical % len(SEQ_COLORS)]
+        x_phys = block_table[logical] * block_size + t % block_size
+        x_cont = t * width / max(seq_len, 1) * 0.6 + width * 0.2
+        w_cont = width / max(seq_len, 1) * 0.6
+        ax.add_patch(Rectangle((x_phys, 2), 1, 1, facecolor=color, alpha=0.8))
+        ax.add_patch(Rectangle((x_cont, 0), w_cont, 1, facecolor=color, alpha=0.8, edgecolor="white"))
+        ax.plot([x_phys + 0.5, x_cont + w_cont / 2], [2, 1], color=color, alpha=0.35, lw=0.8)
+    ax.text(width * 0.2 - 1, 0.5, "gathered K/V", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-width * 0.02, width * 1.02)
+    ax.set_ylim(-0.3, 3.6)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left")
+    return ax
+
+
+def plot_split_kv(seq_len: int, partition_size: int, tile: int, ax=None):
+    """Split-KV: partitions of the context, each a program producing (m, l, acc), then a reduce."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3))
+    parts = -(-seq_len // partition_size)
+    for p in range(parts):
+        start, end = p * partition_size, min((p + 1) * partition_size, seq_len)
+        color = SEQ_COLORS[p % len(SEQ_COLORS)]
+        for t in range(start, end, tile):
+            ax.add_patch(Rectangle((t, 2), min(tile, end - t), 0.8, facecolor=color, alpha=0.5,
+                                   edgecolor="white"))
+        mid = (start + end) / 2
+        ax.text(mid, 2.95, f"program {p}\ntokens {start}-{end - 1}", ha="center", fontsize=8)
+        half = 0.45 * min(partition_size, end - start)
+        ax.add_patch(Rectangle((mid - half, 0.9), 2 * half, 0.5, facecolor=color, alpha=0.8))
+        ax.text(mid, 1.15, f"m{p}, l{p}, acc{p}", ha="center", va="center", fontsize=8, color="white")
+        ax.add_patch(FancyArrowPatch((mid, 2), (mid, 1.4), arrowstyle="->", mutation_scale=10))
+        ax.add_patch(FancyArrowPatch((mid, 0.9), (seq_len / 2, 0.35), arrowstyle="->", mutation_scale=10))
+    ax.text(seq_len / 2, 0.1, "reduce: out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p",
+            ha="center", fontsize=9)
+    ax.set_xlim(-seq_len * 0.02, seq_len * 1.02)
+    ax.set_ylim(-0.2, 3.6)
+    ax.axis("off")
+    return ax
