@@ -1,0 +1,94 @@
+"""Models in Hugging Face format: Llama, Mistral, Qwen2, Qwen3 and GPT-2, from a local folder.
+
+``load_model(path)`` reads ``config.json``, builds the matching module and loads its
+weights from ``model.safetensors`` or a sharded ``model.safetensors.index.json`` (with
+safetensors); ``load_tokenizer(path)`` reads ``tokenizer.json`` (with tokenizers). Nothing
+is downloaded: ``"tiny"`` names the small model that ships with minipaged, anything else
+must be a local folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from minipaged.models.config import ModelConfig
+from minipaged.models.transformer import AttentionMetadata, build_model
+
+TINY_MODEL_DIR = Path(__file__).parent / "tiny"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+__all__ = ["AttentionMetadata", "ModelConfig", "TINY_MODEL_DIR", "load_model", "load_tokenizer",
+           "resolve_model_path", "resolve_dtype"]
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """``"tiny"`` or a local folder with a ``config.json``; anything else is a clear error."""
+    if str(model) == "tiny":
+        return TINY_MODEL_DIR
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"model {str(model)!r} is not a local folder: minipaged never downloads. Give "
+            "'tiny' or the path of a Hugging Face model folder (config.json, *.safetensors, "
+            "tokenizer.json), for example one made by save_pretrained or huggingface-cli download"
+        )
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+
+
+def _state_dict(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path} has no model.safetensors nor model.safetensors.index.json")
+    state = {}
+    for shard in shards:
+        state.update(load_file(path / shard))
+    return state
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+    """The model of a local Hugging Face folder, in eval mode: ``(module, ModelConfig)``."""
+    path = resolve_model_path(model)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    module = build_model(config)
+    state = {k: v for k, v in _state_dict(path).items() if not k.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    prefix = "transformer." if config.model_type == "gpt2" else "model."
+    if not any(k.startswith(prefix) for k in state):  # some checkpoints drop the outer prefix
+        state = {(k if k.startswith("lm_head") else prefix + k): v for k, v in state.items()}
+    expected = {k for k in module.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match {config.model_type}: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    module.load_state_dict(state, strict=False)
+    module = module.to(device=device, dtype=resolve_dtype(dtype)).eval()
+    if hasattr(module, "inv_freq"):  # RoPE frequencies stay float32, as in transformers
+        module.inv_freq = config.inv_freq().to(device)
+    return module, config
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer | None:
+    """The folder's ``tokenizer.json``, or None when it has none (token-id prompts only)."""
+    path = resolve_model_path(model) / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.exists() else None

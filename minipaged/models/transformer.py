@@ -1,0 +1,216 @@
+"""The transformer layers, written for a flattened batch over a paged KV cache.
+
+One forward pass takes the new tokens of every scheduled sequence, concatenated:
+``input_ids`` and ``positions`` of shape ``(num_tokens,)``. Each attention layer writes the
+new tokens' K/V into its cache through ``slot_mapping``, then calls the attention backend
+(stage 4's ``paged_attention_ref`` or stage 5's ``paged_attention_triton``), which reads
+each sequence's context through its block table. Prefills and decodes share one batch.
+
+Module and parameter names follow Hugging Face's, so a checkpoint loads as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipaged.models.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes, and what each sequence attends over."""
+
+    slot_mapping: torch.Tensor  # int64 (num_tokens,)
+    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq)
+    seq_lens: torch.Tensor  # int32 (num_seqs,)
+    query_start_loc: torch.Tensor | None  # int32 (num_seqs + 1,); None: one decode token each
+    backend: Callable  # paged_attention_ref or paged_attention_triton
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"activation {name!r} is not supported; supported: silu, gelu, gelu_new")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, the "rotate half" convention (Llama, Qwen, Mistral)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend over each sequence's context."""
+    key_cache, value_cache = kv_cache  # each (num_blocks, block_size, num_kv_heads, head_dim)
+    slots = meta.slot_mapping
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = k
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = v
+    return meta.backend(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                        scale=scale, query_start_loc=meta.query_start_loc)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):  # x: (num_tokens, hidden)
+        c = self.c
+        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
+        return self.o_proj(out.reshape(len(x), -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.act = activation(c.hidden_act)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(c)
+        self.mlp = LlamaMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2 and 3, Mistral, Qwen2 (bias on q/k/v) and Qwen3 (q/k norms)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.model = LlamaModel(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", c.inv_freq(), persistent=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        """Hidden states ``(num_tokens, hidden)`` of the new tokens; K/V written on the way."""
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: the weight is stored (in_features, out_features)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.ln_1 = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
+        self.ln_2 = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
+        self.attn = nn.Module()
+        self.attn.c_attn = Conv1D(c.hidden_size, 3 * c.hidden_size)
+        self.attn.c_proj = Conv1D(c.hidden_size, c.hidden_size)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = Conv1D(c.hidden_size, c.intermediate_size)
+        self.mlp.c_proj = Conv1D(c.intermediate_size, c.hidden_size)
+        self.act = activation(c.hidden_act)
+
+    def forward(self, x, kv_cache, meta):
+        c = self.c
+        q, k, v = self.attn.c_attn(self.ln_1(x)).view(-1, 3, c.num_heads, c.head_dim).unbind(1)
+        out = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
+        x = x + self.attn.c_proj(out.reshape(len(x), -1))
+        return x + self.mlp.c_proj(self.act(self.mlp.c_fc(self.ln_2(x))))
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2: learned positions, LayerNorm, GELU, tied embeddings."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.transformer.wpe = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.transformer.h = nn.ModuleList(GPT2Block(c) for _ in range(c.num_layers))
+        self.transformer.ln_f = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+            x = block(x, kv_cache, meta)
+        return self.transformer.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def build_model(c: ModelConfig) -> nn.Module:
+    return GPT2LMHeadModel(c) if c.model_type == "gpt2" else LlamaForCausalLM(c)
