@@ -27,9 +27,20 @@ try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4
 except ImportError:  # pragma: no cover
     paged_attention_triton = None
 
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
+from minipaged.stage7_engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
     "POLICIES",
     "BlockAllocator",
     "BlockSpaceManager",

@@ -25,6 +25,37 @@ def _grade(args: argparse.Namespace) -> int:
     return 0 if rows and all(r.status == "complete" for r in rows) else 1
 
 
+DEMO_PROMPTS = [
+    "Return the number of", "This module provides", "Create a new", "The default value is",
+    "If the file does not exist,", "Raise an exception if", "Convert the given", "This class implements",
+    "Return True if the", "The optional argument", "Read and return", "Set the current",
+]
+
+
+def _engine_demo(args: argparse.Namespace) -> None:
+    from minipaged.stage7_engine import LLM, SamplingParams
+
+    llm = LLM("tiny", num_gpu_blocks=args.blocks, block_size=16, max_model_len=128,
+              preemption_mode=args.preemption_mode, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
+    print(f"{len(DEMO_PROMPTS)} prompts through the tiny model, in a KV cache of only {args.blocks} blocks "
+          f"of 16 tokens ({args.blocks * 16} slots), preemption by {args.preemption_mode}:\n")
+    outputs = llm.generate(DEMO_PROMPTS, [params] * len(DEMO_PROMPTS), use_tqdm=False)
+    for out in outputs:
+        print(f"  {out.prompt!r} -> {out.outputs[0].text.strip()[:90]!r}")
+    stats = llm.stats
+    lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
+    print("\nSummary")
+    print(f"  peak KV memory in use:           {stats['peak_blocks_used']} blocks = "
+          f"{stats['peak_blocks_used'] * 16} token slots")
+    print(f"  contiguous reservation would need {sum(lengths)} slots even with exact lengths (oracle), "
+          f"{len(lengths) * llm.max_model_len} at max_model_len={llm.max_model_len} (max)")
+    print(f"  KV utilisation (slots holding K/V among those in use): {100 * stats['kv_utilization']:.1f}%")
+    print(f"  preemptions: {stats['preemptions']}, blocks swapped out: {stats['swapped_out_blocks']}, "
+          f"in: {stats['swapped_in_blocks']}; {stats['steps']} steps, {stats['prefill_tokens']} prefill and "
+          f"{stats['decode_tokens']} decode tokens\n")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from minipaged.simulate import (
         format_usage_table,
@@ -33,17 +64,29 @@ def _demo(args: argparse.Namespace) -> int:
         synthetic_requests,
     )
 
+    _engine_demo(args)
     requests = synthetic_requests(args.requests, rate=args.rate, seed=args.seed)
-    print(f"{len(requests)} ShareGPT-like requests (mean prompt "
+    print(f"Where the memory goes: {len(requests)} ShareGPT-like requests (mean prompt "
           f"{sum(r.prompt_len for r in requests) / len(requests):.0f}, mean output "
-          f"{sum(r.output_len for r in requests) / len(requests):.0f} tokens) served first come, "
-          f"first served in one arena of {args.slots} token slots, max_model_len 2048.")
-    print("Share of KV memory while requests wait for it: contiguous slabs under each "
-          "reservation policy (stage 0), then blocks of 16 tokens (stage 2):\n")
+          f"{sum(r.output_len for r in requests) / len(requests):.0f} tokens), first come first served, in "
+          f"{args.slots} token slots: contiguous slabs (stage 0) vs blocks of 16 (stage 2), simulated:\n")
     results = [simulate_contiguous(requests, p, args.slots, 2048) for p in ("max", "pow2", "oracle")]
     results.append(simulate_paged(requests, args.slots // 16, 16))
     print(format_usage_table(results))
     print("\nOnly 'token' holds K/V; 'running' is the batch size that memory allows.")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from minipaged.stage7_engine import LLM, SamplingParams
+
+    llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+              preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
+              device=args.device, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    for out in llm.generate(args.prompt, [params] * len(args.prompt), use_tqdm=False):
+        print(f"{out.prompt}{out.outputs[0].text}")
     return 0
 
 
@@ -62,7 +105,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, action="append", help="grade only this stage (repeatable)")
     p.set_defaults(run=_grade)
 
-    p = sub.add_parser("demo", help="serve a synthetic workload and print where memory goes")
+    p = sub.add_parser("generate", help="generate text with a model")
+    p.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model folder")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="ref", choices=["ref", "triton"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(run=_generate)
+
+    p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")
+    p.add_argument("--blocks", type=int, default=8, help="KV cache blocks for the engine demo")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap"])
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--slots", type=int, default=16384)
     p.add_argument("--rate", type=float, default=0.2, help="arrivals per decode step")

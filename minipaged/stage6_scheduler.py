@@ -31,13 +31,18 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
-from collections.abc import Hashable, Sequence as Seq
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from minipaged.stage2_block_table import BlockTable
-from minipaged.stage3_copy_on_write import CowBlockSpaceManager, CowPagedKVCache, RefCountedBlockAllocator
+from minipaged.stage3_copy_on_write import (
+    CowBlockSpaceManager,
+    CowPagedKVCache,
+    RefCountedBlockAllocator,
+)
 
 
 class SequenceStatus(enum.Enum):

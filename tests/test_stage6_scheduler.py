@@ -124,6 +124,8 @@ def test_requests_that_can_never_fit_are_refused_at_once():
     with pytest.raises(ValueError, match="the prompt is empty"):
         scheduler.add_sequence([], 5)
     assert not scheduler.has_unfinished()
+    seq = scheduler.add_sequence([1] * 59, 5)  # the largest request that fits is served
+    assert scheduler.schedule().scheduled == [(seq, 59)]
 
 
 requests_strategy = st.lists(

@@ -1,0 +1,193 @@
+"""Stage 7: the engine, checked against Hugging Face transformers on the same weights."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from minipaged.stage7_engine import LLM, SamplingParams, process_logits, sample
+
+pytestmark = pytest.mark.stage7
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+ARCHITECTURES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE),
+    "llama-mha-bias": lambda: transformers.LlamaConfig(**{**COMMON, "num_key_value_heads": 4}, attention_bias=True,
+                                                       mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**{**COMMON, "num_key_value_heads": 1}, head_dim=32),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+}
+PROMPT_LENGTHS = (3, 17, 40, 1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A seeded, randomly initialised transformers model per architecture, saved with save_pretrained."""
+    made = {}
+    for i, (name, config) in enumerate(ARCHITECTURES.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(config()).eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        made[name] = (path, model)
+    return made
+
+
+def hf_greedy(model, prompt, steps):
+    ids = torch.tensor([prompt])  # an explicit mask: else transformers takes pad tokens for padding
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].log_softmax(-1)
+
+
+def prompts_for(vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def assert_equal_to_hf(llm, hf_model, prompts, steps):
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logprobs = hf_greedy(hf_model, prompt, steps)
+        assert output.outputs[0].token_ids == tokens
+        assert output.outputs[0].finish_reason == "length"
+        for step, ours in enumerate(output.outputs[0].logprobs):
+            for token, value in ours.items():
+                assert abs(value - logprobs[step, token].item()) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoints, name):
+    path, hf_model = checkpoints[name]
+    llm = LLM(str(path), num_gpu_blocks=64, block_size=8)
+    assert_equal_to_hf(llm, hf_model, prompts_for(256, seed=len(name)), steps=32)
+
+
+def test_the_triton_backend_equals_transformers_too(checkpoints):
+    path, hf_model = checkpoints["qwen2"]
+    llm = LLM(str(path), num_gpu_blocks=64, block_size=8, attention_backend="triton")
+    assert_equal_to_hf(llm, hf_model, prompts_for(256)[:3], steps=12)
+
+
+def test_the_tiny_default_model_equals_transformers_and_writes_words():
+    from minipaged.models import TINY_MODEL_DIR
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+    llm = LLM("tiny", num_gpu_blocks=128)
+    assert_equal_to_hf(llm, hf_model, prompts_for(llm.config.vocab_size, seed=3), steps=32)
+    out = llm.generate(["Return the number of"], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0]
+    words = out.outputs[0].text.split()
+    assert out.prompt == "Return the number of" and len(words) >= 3
+    assert sum(w.strip(".,:;()'\"").isalpha() for w in words) >= len(words) // 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemptions_do_not_change_a_single_token(checkpoints, mode):
+    path, _ = checkpoints["llama"]
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(256, seed=5) * 3]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = LLM(str(path), num_gpu_blocks=256, block_size=4).generate(prompts, params, use_tqdm=False)
+    tight = LLM(str(path), num_gpu_blocks=18, block_size=4, max_model_len=64, preemption_mode=mode)
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    assert tight.stats["preemptions"] >= 3
+    if mode == "swap":
+        assert tight.stats["swapped_out_blocks"] > 0
+    assert tight.scheduler.block_manager.num_free_blocks == 18
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(checkpoints):
+    path, _ = checkpoints["qwen3"]
+    llm = LLM(str(path), num_gpu_blocks=64, block_size=8, seed=1)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+
+    def run(**kw):
+        params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, ignore_eos=True, **kw)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert run(seed=123) == run(seed=123)
+    assert run(seed=123) != run(seed=124)
+    again = LLM(str(path), num_gpu_blocks=64, block_size=8, seed=1)
+    first = again.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert first[0].outputs[0].token_ids == LLM(str(path), num_gpu_blocks=64, block_size=8, seed=1).generate(
+        prompt, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_sampling_matches_its_definitions():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+
+    def frequencies(params, draws=6000):
+        counts = torch.bincount(torch.tensor([sample(logits, params, gen) for _ in range(draws)]), minlength=5)
+        return counts.float() / draws
+
+    for temperature in (0.5, 1.0, 2.0):
+        want = torch.softmax(logits / temperature, -1)
+        assert (frequencies(SamplingParams(temperature=temperature)) - want).abs().max() < 0.025
+    top_k = frequencies(SamplingParams(top_k=2))
+    assert top_k[2:].sum() == 0 and abs(top_k[0] - torch.softmax(logits[:2], -1)[0]) < 0.025
+    probs = torch.softmax(logits, -1)  # 0.563, 0.207, 0.126, 0.076, 0.028
+    kept = process_logits(logits, SamplingParams(top_p=0.8)).isfinite()
+    assert kept.tolist() == [True, True, True, False, False]  # 0.563 + 0.207 < 0.8 <= 0.896
+    assert process_logits(logits, SamplingParams(top_p=probs[0].item())).isfinite().sum() == 1
+    assert process_logits(logits, SamplingParams(top_p=1.0)).isfinite().all()
+    assert sample(logits, SamplingParams(temperature=0), gen) == 0
+
+
+def test_stop_tokens_and_finish_reasons():
+    llm = LLM("tiny", num_gpu_blocks=64)
+    free = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    tokens = free.outputs[0].token_ids
+    stop_at = tokens[5]
+    stopped = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == tokens[: tokens.index(stop_at) + 1] and stopped.finish_reason == "stop"
+    assert free.outputs[0].finish_reason == "length"
+    assert free.outputs[0].cumulative_logprob < 0
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [(lambda llm: llm.generate([""], use_tqdm=False), "the prompt is empty"),
+     (lambda llm: llm.generate([{"prompt_token_ids": [1, 99999]}], use_tqdm=False), "token ids must be in 0 .. 2047"),
+     (lambda llm: llm.generate(["a"], SamplingParams(max_tokens=0)), "max_tokens must be an integer >= 1"),
+     (lambda llm: llm.generate(["a"], SamplingParams(temperature=-1)), "temperature must be >= 0"),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_p=0)), r"top_p must be in \(0, 1\]"),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_p=1.5)), r"top_p must be in \(0, 1\]"),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_k=0)), "top_k must be -1"),
+     (lambda llm: llm.generate([{"prompt_token_ids": [1] * 500}], SamplingParams(max_tokens=20)), "exceeds max_model_len=512"),
+     (lambda llm: llm.generate([42]), "a prompt must be a string"),
+     (lambda llm: LLM("tiny", attention_backend="flash"), "attention_backend: expected one of"),
+     (lambda llm: LLM("tiny", preemption_mode="drop"), "preemption_mode: expected"),
+     (lambda llm: LLM("tiny", dtype="int8"), "dtype 'int8' is not supported"),
+     (lambda llm: LLM("meta-llama/Llama-3-8B"), "is not a local folder: minipaged never downloads"),
+     (lambda llm: LLM("tiny", num_gpu_blocks=4, max_model_len=512), "max_model_len=512 needs 32 blocks of 16; the cache has 4")],
+    ids=["empty", "vocab", "max_tokens", "temperature", "top_p0", "top_p", "top_k", "too-long", "type",
+         "backend", "mode", "dtype", "hub-id", "cache"],
+)
+def test_bad_input_is_refused_before_anything_runs(call, message):
+    llm = LLM("tiny", num_gpu_blocks=64)
+    good = {"prompt_token_ids": [1, 2]}
+    with pytest.raises(ValueError, match=message):
+        call(llm)
+    assert not llm.scheduler.has_unfinished() and llm.stats["steps"] == 0
+    assert llm.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_sharded_checkpoints_and_half_precision_load(checkpoints, tmp_path):
+    _, hf_model = checkpoints["llama"]
+    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert_equal_to_hf(LLM(str(tmp_path), num_gpu_blocks=64, block_size=8), hf_model, prompts_for(256)[:2], steps=8)
+    for dtype in ("bfloat16", "float16"):
+        llm = LLM(str(tmp_path), num_gpu_blocks=64, block_size=8, dtype=dtype)
+        assert llm.cache.key_cache[0].dtype == getattr(torch, dtype)
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
