@@ -3,9 +3,11 @@
 Stages 1–3 decided *where* K/V live: in blocks scattered over the cache, found through
 each sequence's block table. Attention must now read them from there. This stage does it
 the plainest way: for each sequence, gather its blocks in logical order into contiguous
-K/V, then run stage 0's ``dense_attention``. It is slow (it copies every K/V it reads),
-but obviously right, so it is the reference the Triton kernels of stage 5 are checked
-against.
+K/V, then run stage 0's ``dense_attention``. Decode steps (one query per sequence) do the
+same gather for the whole batch in one indexing operation, padded to the longest
+sequence and masked, so that the engine does not loop over sequences in Python. It copies
+every K/V it reads, so it is slower than a kernel, but obviously right: it is the
+reference the Triton kernels of stage 5 are checked against.
 
 The arguments are vLLM's:
 
@@ -28,6 +30,7 @@ The arguments are vLLM's:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from minipaged.stage0_contiguous import dense_attention
 
@@ -110,6 +113,36 @@ def gather_kv(
     # END SOLUTION
 
 
+def decode_attention_batched(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+) -> torch.Tensor:
+    """Decode for a whole batch at once: gather every sequence, padded to the longest, and mask.
+
+    query: ``(num_seqs, num_heads, head_dim)``. The same gather as ``gather_kv``, done for all
+    sequences in one indexing operation; positions past a sequence's length are masked out.
+    """
+    # BEGIN SOLUTION gather (num_seqs, max_len, kv_heads, dim) through the tables, mask, attend
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = int(seq_lens.max())
+    width = -(-max_len // block_size)
+    positions = torch.arange(width * block_size, device=query.device)
+    in_use = positions[None, :] < seq_lens[:, None]  # (num_seqs, width * block_size)
+    ids = block_tables[:, :width].long()
+    ids = torch.where(in_use[:, ::block_size], ids, 0)  # entries past a sequence are never trusted
+    shape = (num_seqs, width * block_size, num_kv_heads, head_dim)
+    keys = key_cache.index_select(0, ids.flatten()).view(shape)  # key_cache[ids], but faster on CPU
+    values = value_cache.index_select(0, ids.flatten()).view(shape)
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a KV head's
+    out = F.scaled_dot_product_attention(  # query heads attend as its rows: (seqs, kv_heads, group, dim)
+        q, keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=in_use[:, None, None, :], scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    # END SOLUTION
+
+
 def paged_attention_ref(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -118,21 +151,35 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     query_start_loc: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Attention of ``query`` over each sequence's K/V in the paged cache; shape of ``query``.
 
     Decode when ``query_start_loc`` is None (one query per sequence), variable length
-    otherwise. ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    otherwise. ``scale`` defaults to ``1 / sqrt(head_dim)``. Sequences with one query go
+    through ``decode_attention_batched`` together; longer ones, one by one, through
+    ``gather_kv`` and ``dense_attention``. ``validate=False`` skips the argument checks
+    (the engine checks once per step, not once per layer).
     """
-    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    # BEGIN SOLUTION per sequence: its query rows, its gathered K/V, causal dense attention
+    if validate:
+        check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    # BEGIN SOLUTION batch the one-query sequences; gather and attend causally for the others
+    if query_start_loc is None:
+        return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale)
     out = torch.empty_like(query)
-    starts = list(range(query.shape[0] + 1)) if query_start_loc is None else query_start_loc.tolist()
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    single = [i for i, n in enumerate(query_lens) if n == 1]
+    if single:
+        rows = torch.tensor([starts[i] for i in single], device=query.device)
+        picked = torch.tensor(single, device=query.device)
+        out[rows] = decode_attention_batched(query[rows], key_cache, value_cache, block_tables[picked],
+                                             seq_lens[picked], scale)
     for i, seq_len in enumerate(seq_lens.tolist()):
-        rows = slice(starts[i], starts[i + 1])
-        if rows.start == rows.stop:
-            continue
-        keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
-        out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)
+        if query_lens[i] > 1:
+            keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)
     return out
     # END SOLUTION

@@ -240,22 +240,26 @@ class LLM:
             raise RuntimeError("the scheduler found nothing to run although requests remain")
         logits = self.execute_model(out)
         logprobs = torch.log_softmax(logits, dim=-1)
+        requests = [self._owner[seq.seq_id] for seq, _ in out.scheduled]
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows in one go; the others are drawn
+        for i, request in enumerate(requests):
+            if request.params.temperature > 0:
+                tokens[i] = sample(logits[i], request.params, request.generator)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
         finished = 0
-        for (seq, _), row, lp in zip(out.scheduled, logits, logprobs, strict=True):
-            request = self._owner[seq.seq_id]
-            token = sample(row, request.params, request.generator)
-            finished += self._accept(request, seq, token, lp)
+        for i, ((seq, _), request) in enumerate(zip(out.scheduled, requests, strict=True)):
+            finished += self._accept(request, seq, tokens[i], chosen[i], logprobs[i])
         self._count(out)
         return finished
 
-    def _accept(self, request: _Request, seq: Sequence, token: int, logprobs: torch.Tensor) -> int:
+    def _accept(self, request: _Request, seq: Sequence, token: int, logprob: float, logprobs: torch.Tensor) -> int:
         params = request.params
         self.scheduler.append_token(seq, token)
-        request.logprob[seq.seq_id] += float(logprobs[token])
+        request.logprob[seq.seq_id] += logprob
         if params.logprobs is not None:
             top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
             entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            request.top[seq.seq_id].append({**entry, token: float(logprobs[token])})
+            request.top[seq.seq_id].append({**entry, token: logprob})
         stop = (token in params.stop_token_ids) or (not params.ignore_eos and token in self.eos_token_ids)
         if stop or len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
             request.finish[seq.seq_id] = "stop" if stop else "length"

@@ -85,6 +85,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: 
     module = module.to(device=device, dtype=resolve_dtype(dtype)).eval()
     if hasattr(module, "inv_freq"):  # RoPE frequencies stay float32, as in transformers
         module.inv_freq = config.inv_freq().to(device)
+    module.fuse()
     return module, config
 
 

@@ -12,7 +12,7 @@ Module and parameter names follow Hugging Face's, so a checkpoint loads as it is
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 (num_seqs,)
     query_start_loc: torch.Tensor | None  # int32 (num_seqs + 1,); None: one decode token each
     backend: Callable  # paged_attention_ref or paged_attention_triton
+    validate: bool = True  # check the arguments (the first layer does; the others need not)
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -68,7 +69,7 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
     key_cache.view(-1, *key_cache.shape[2:])[slots] = k
     value_cache.view(-1, *value_cache.shape[2:])[slots] = v
     return meta.backend(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                        scale=scale, query_start_loc=meta.query_start_loc)
+                        scale=scale, query_start_loc=meta.query_start_loc, validate=meta.validate)
 
 
 class LlamaAttention(nn.Module):
@@ -83,11 +84,19 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
 
+    def fuse(self) -> None:
+        """One matmul for q, k and v (vLLM's ``qkv_proj``), built from the three loaded weights."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projections]).detach()
+        self.qkv_bias = torch.cat([p.bias for p in projections]).detach() if self.c.qkv_bias else None
+
     def forward(self, x, cos, sin, kv_cache, meta):  # x: (num_tokens, hidden)
         c = self.c
-        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)  # (num_tokens, num_heads, head_dim)
-        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q = q.reshape(-1, c.num_heads, c.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -103,8 +112,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.act = activation(c.hidden_act)
 
+    def fuse(self) -> None:
+        """One matmul for gate and up (vLLM's ``gate_up_proj``)."""
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]).detach() if self.gate_proj.bias is not None else None
+
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -146,12 +161,19 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+        checked = replace(meta, validate=False)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x = layer(x, cos, sin, kv_cache, meta if i == 0 else checked)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def fuse(self) -> None:
+        """Concatenate the weights that share an input, once the checkpoint is loaded."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
 
 class Conv1D(nn.Module):
@@ -204,12 +226,16 @@ class GPT2LMHeadModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
-            x = block(x, kv_cache, meta)
+        checked = replace(meta, validate=False)
+        for i, (block, kv_cache) in enumerate(zip(self.transformer.h, kv_caches, strict=True)):
+            x = block(x, kv_cache, meta if i == 0 else checked)
         return self.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def fuse(self) -> None:
+        """GPT-2 already stores q, k and v in one matrix."""
 
 
 def build_model(c: ModelConfig) -> nn.Module:
