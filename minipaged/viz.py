@@ -175,3 +175,44 @@ def plot_split_kv(seq_len: int, partition_size: int, tile: int, ax=None):
     ax.set_ylim(-0.2, 3.6)
     ax.axis("off")
     return ax
+
+
+STATUS_COLORS = {"waiting": "#dddddd", "running": "#1b9e77", "swapped": "#7570b3", "finished": "#ffffff"}
+
+
+def plot_schedule(history: list[dict], labels: dict | None = None, ax=None, title=None):
+    """A timeline: one row per sequence, one column per step, coloured by the sequence's status.
+
+    ``history[step]`` maps a sequence id to its status name after that step
+    (``"waiting"``, ``"running"``, ``"swapped"``, ``"finished"``); preemptions (running, then
+    waiting or swapped) are marked with a cross.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    order = list(STATUS_COLORS)
+    seq_ids = sorted({s for step in history for s in step})
+    grid = np.full((len(seq_ids), len(history)), order.index("finished"))
+    for t, step in enumerate(history):
+        for row, seq_id in enumerate(seq_ids):
+            grid[row, t] = order.index(step.get(seq_id, "waiting" if t == 0 else "finished"))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.35 * len(seq_ids) + 1.2))
+    ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(STATUS_COLORS.values())),
+              vmin=0, vmax=len(order) - 1)
+    running = order.index("running")
+    for row in range(len(seq_ids)):
+        for t in range(1, len(history)):
+            if grid[row, t - 1] == running and grid[row, t] in (order.index("waiting"), order.index("swapped")):
+                ax.plot(t, row, "x", color="#d95f02", markersize=7, mew=2)
+    labels = labels or {}
+    ax.set_yticks(range(len(seq_ids)), [labels.get(s, str(s)) for s in seq_ids])
+    ax.set_xlabel("step")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in STATUS_COLORS.items() if k != "finished"]
+              + [plt.Line2D([], [], color="#d95f02", marker="x", ls="", label="preempted")],
+              loc="upper left", bbox_to_anchor=(1, 1), frameon=False)
+    if title:
+        ax.set_title(title, loc="left")
+    return ax
