@@ -28,12 +28,17 @@ except ImportError:  # pragma: no cover
     paged_attention_triton = None
 
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
-from minipaged.stage7_engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from minipaged.stage7_engine import CompletionOutput, RequestOutput, SamplingParams
+from minipaged.stage8_sharing import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from minipaged.stage9_prefix_caching import LLM  # the top of the ladder: every feature
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",

@@ -33,7 +33,7 @@ DEMO_PROMPTS = [
 
 
 def _engine_demo(args: argparse.Namespace) -> None:
-    from minipaged.stage7_engine import LLM, SamplingParams
+    from minipaged import LLM, SamplingParams
 
     llm = LLM("tiny", num_gpu_blocks=args.blocks, block_size=16, max_model_len=128,
               preemption_mode=args.preemption_mode, seed=0)
@@ -78,11 +78,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from minipaged.stage7_engine import LLM, SamplingParams
+    from minipaged import LLM, SamplingParams
 
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
-              device=args.device, seed=args.seed)
+              device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     for out in llm.generate(args.prompt, [params] * len(args.prompt), use_tqdm=False):
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")

@@ -171,6 +171,8 @@ class SwapPagedKVCache(CowPagedKVCache):
 class Scheduler:
     """Waiting, running and swapped queues over one ``SwapBlockSpaceManager``."""
 
+    block_manager_class = SwapBlockSpaceManager
+
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int = 2048, preemption_mode: str = "recompute", watermark: float = 0.01) -> None:
@@ -178,7 +180,7 @@ class Scheduler:
             raise ValueError(f"preemption_mode: expected 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and num_cpu_blocks < 1:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks >= 1 (the swap space)")
-        self.block_manager = SwapBlockSpaceManager(num_gpu_blocks, block_size, num_cpu_blocks)
+        self.block_manager = self.block_manager_class(num_gpu_blocks, block_size, num_cpu_blocks)
         if self.block_manager.blocks_needed(max_model_len) > num_gpu_blocks:
             raise ValueError(f"max_model_len={max_model_len} needs {self.block_manager.blocks_needed(max_model_len)} "
                              f"blocks of {block_size}; the cache has {num_gpu_blocks}: lower max_model_len or add blocks")
@@ -263,14 +265,19 @@ class Scheduler:
             watermark = 0 if not self.running else self.watermark_blocks
             if len(seq) > budget or needed + watermark > manager.num_free_blocks:
                 break
-            manager.allocate(seq.seq_id, len(seq))
+            new_tokens = self._allocate(seq)
             self.waiting.pop(0)
-            self._run(seq, len(seq), out)
-            budget -= len(seq)
+            self._run(seq, new_tokens, out)
+            budget -= new_tokens
         # END SOLUTION
         out.blocks_to_copy = manager.take_copies()
         self.peak_blocks_used = max(self.peak_blocks_used, manager.num_total_blocks - manager.num_free_blocks)
         return out
+
+    def _allocate(self, seq: Sequence) -> int:
+        """Give an admitted sequence its blocks; return how many of its tokens must be computed."""
+        self.block_manager.allocate(seq.seq_id, len(seq))
+        return len(seq)
 
     def _run(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
         seq.status = SequenceStatus.RUNNING

@@ -120,8 +120,9 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # sample i draws with a generator seeded seed + i
     seqs: list[Sequence] = field(default_factory=list)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seq_id -> its generator
     logprob: dict[int, float] = field(default_factory=dict)  # seq_id -> cumulative
     top: dict[int, list] = field(default_factory=dict)  # seq_id -> per-step top logprobs
     finish: dict[int, str] = field(default_factory=dict)  # seq_id -> finish reason
@@ -129,6 +130,8 @@ class _Request:
 
 class LLM:
     """A serving engine on a paged KV cache, over a local Hugging Face model (or ``"tiny"``)."""
+
+    scheduler_class = Scheduler
 
     def __init__(self, model: str = "tiny", *, block_size: int = 16, num_gpu_blocks: int | None = None,
                  kv_cache_memory: int = 256 * 2**20, num_cpu_blocks: int | None = None,
@@ -162,7 +165,7 @@ class LLM:
                              f"which minipaged does not implement: pass max_model_len <= {self.config.sliding_window}")
         if num_cpu_blocks is None:
             num_cpu_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
-        self.scheduler = Scheduler(num_gpu_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens,
+        self.scheduler = self.scheduler_class(num_gpu_blocks, block_size, num_cpu_blocks, max_num_seqs, max_num_batched_tokens,
                                    self.max_model_len, preemption_mode)
         c = self.config
         self.cache = SwapPagedKVCache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
@@ -200,15 +203,22 @@ class LLM:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
         if bad:
             raise ValueError(f"token ids must be in 0 .. {self.config.vocab_size - 1}, got {bad[:5]}")
-        if params.n != 1:
-            raise ValueError("SamplingParams.n > 1 (parallel sampling) needs stage 8, which this engine does not have")
+        self._check_n(params)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
-        request = _Request(self._next_request, text, ids, params, torch.Generator().manual_seed(seed))
+        request = _Request(self._next_request, text, ids, params, seed)
         self._next_request += 1
         return request
+
+    def _check_n(self, params: SamplingParams) -> None:
+        if params.n != 1:
+            raise ValueError("SamplingParams.n > 1 (parallel sampling) needs stage 8, which this engine does not have")
+
+    def _submit(self, request: _Request) -> None:
+        """Queue a request's sequence (stage 8 queues several, or forks them later)."""
+        self._track(request, self.scheduler.add_sequence(request.prompt_token_ids, request.params.max_tokens))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -220,14 +230,14 @@ class LLM:
         requests = [self._prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
         self._owner: dict[int, _Request] = {}
         for request in requests:
-            seq = self.scheduler.add_sequence(request.prompt_token_ids, request.params.max_tokens)
-            self._track(request, seq)
+            self._submit(request)
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generating") as bar:
             while self.scheduler.has_unfinished():
                 bar.update(self.step())
         return [self._output(r) for r in requests]
 
     def _track(self, request: _Request, seq: Sequence) -> None:
+        request.generators[seq.seq_id] = torch.Generator().manual_seed(request.seed + len(request.seqs))
         request.seqs.append(seq)
         request.logprob[seq.seq_id] = 0.0
         request.top[seq.seq_id] = []
@@ -242,17 +252,19 @@ class LLM:
         logprobs = torch.log_softmax(logits, dim=-1)
         requests = [self._owner[seq.seq_id] for seq, _ in out.scheduled]
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows in one go; the others are drawn
-        for i, request in enumerate(requests):
+        for i, ((seq, _), request) in enumerate(zip(out.scheduled, requests, strict=True)):
             if request.params.temperature > 0:
-                tokens[i] = sample(logits[i], request.params, request.generator)
+                tokens[i] = sample(logits[i], request.params, request.generators[seq.seq_id])
         chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
         finished = 0
         for i, ((seq, _), request) in enumerate(zip(out.scheduled, requests, strict=True)):
-            finished += self._accept(request, seq, tokens[i], chosen[i], logprobs[i])
+            finished += self._accept(request, seq, tokens[i], chosen[i], logprobs[i], logits[i])
         self._count(out)
         return finished
 
-    def _accept(self, request: _Request, seq: Sequence, token: int, logprob: float, logprobs: torch.Tensor) -> int:
+    def _accept(self, request: _Request, seq: Sequence, token: int, logprob: float, logprobs: torch.Tensor,
+                logits: torch.Tensor) -> int:
+        """Append a sampled token to ``seq``; finish it if it stops. Returns 1 if the request is done."""
         params = request.params
         self.scheduler.append_token(seq, token)
         request.logprob[seq.seq_id] += logprob
@@ -264,7 +276,7 @@ class LLM:
         if stop or len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
             request.finish[seq.seq_id] = "stop" if stop else "length"
             self.scheduler.finish(seq)
-            return int(all(s.seq_id in request.finish for s in request.seqs))
+            return int(len(request.finish) == request.params.n)
         return 0
 
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Stage 8: parallel sampling and beam search on shared blocks, checked against transformers
+and against the same work without sharing."""
+
+import pytest
+import torch
+import transformers
+
+from minipaged.stage7_engine import SamplingParams
+from minipaged.stage8_sharing import LLM, BeamSearchParams
+
+pytestmark = pytest.mark.stage8
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+ARCHITECTURES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from minipaged.models import TINY_MODEL_DIR
+
+    made = {"tiny": (TINY_MODEL_DIR, transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval())}
+    for i, (name, config) in enumerate(ARCHITECTURES.items()):
+        torch.manual_seed(10 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config()).eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        made[name] = (path, model)
+    return made
+
+
+def hf_beams(model, prompt, params, eos):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=params.beam_width,
+                         num_return_sequences=params.beam_width, do_sample=False,
+                         max_new_tokens=params.max_tokens, length_penalty=params.length_penalty,
+                         early_stopping=params.early_stopping, eos_token_id=eos, pad_token_id=eos or 0,
+                         output_scores=True, return_dict_in_generate=True)
+    beams = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        beams.append(row)
+    return beams, out.sequences_scores.tolist()
+
+
+CASES = [  # architecture, beam width, length penalty, early stopping, with an end token
+    ("llama", 4, 1.0, False, False), ("llama", 3, 1.0, False, True), ("qwen2", 2, 2.0, True, True),
+    ("qwen2", 4, -0.5, "never", True), ("gpt2", 4, 0.0, False, True), ("tiny", 4, 1.0, False, True),
+]
+
+
+@pytest.mark.parametrize("name,width,penalty,early,with_eos", CASES,
+                         ids=[f"{c[0]}-w{c[1]}-lp{c[2]}-{c[3]}-{'eos' if c[4] else 'len'}" for c in CASES])
+def test_beam_search_equals_transformers(checkpoints, name, width, penalty, early, with_eos):
+    path, hf_model = checkpoints[name]
+    llm = LLM(str(path), num_gpu_blocks=200, block_size=4)
+    prompt = torch.randint(0, 200, (7,), generator=torch.Generator().manual_seed(width)).tolist()
+    params = BeamSearchParams(beam_width=width, max_tokens=12, length_penalty=penalty, early_stopping=early,
+                              ignore_eos=not with_eos)
+    eos = None
+    if with_eos:  # an end token that the search really meets: the third token of the best beam without one
+        eos = hf_beams(hf_model, prompt, BeamSearchParams(width, 12, penalty, early, True), None)[0][0][2]
+        llm.eos_token_ids = {eos}
+    expected, scores = hf_beams(hf_model, prompt, params, eos)
+    out = llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
+    assert [s.token_ids for s in out.sequences] == expected
+    assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4)
+    assert llm.scheduler.block_manager.num_free_blocks == 200  # every beam freed
+
+
+def test_beams_share_blocks(checkpoints):
+    path, _ = checkpoints["llama"]
+    llm = LLM(str(path), num_gpu_blocks=200, block_size=4)
+    out = llm.beam_search([{"prompt_token_ids": list(range(1, 41))}], BeamSearchParams(4, 8, ignore_eos=True))[0]
+    assert len(out.sequences) == 4
+    unshared = 4 * -(-(40 + 8) // 4)  # four beams, each holding its own 48 tokens
+    assert llm.peak_blocks_used <= 10 + 4 * 3 < unshared  # the 10 prompt blocks once, then private blocks
+
+
+@pytest.mark.parametrize("prompt_len,n,block_size", [(37, 4, 16), (32, 3, 8), (5, 6, 4)])
+def test_parallel_samples_are_the_same_with_sharing_in_fewer_blocks(checkpoints, prompt_len, n, block_size):
+    path, _ = checkpoints["qwen2"]
+    prompt = [{"prompt_token_ids": list(range(3, 3 + prompt_len))}]
+    params = SamplingParams(n=n, max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    runs = {}
+    for share in (True, False):
+        llm = LLM(str(path), num_gpu_blocks=256, block_size=block_size, share_blocks=share)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        runs[share] = ([c.token_ids for c in out.outputs], llm.peak_blocks_used, llm.stats["prefill_tokens"])
+    assert runs[True][0] == runs[False][0]
+    assert len({tuple(t) for t in runs[True][0]}) > 1  # the samples differ from each other
+    stored = prompt_len + 10 - 1  # the last token's K/V is never written
+    private = -(-stored // block_size) - prompt_len // block_size
+    assert runs[True][1] == prompt_len // block_size + n * private  # full prompt blocks held once
+    assert runs[False][1] == n * -(-stored // block_size)
+    assert runs[True][2] == prompt_len and runs[False][2] == n * prompt_len  # the prompt prefilled once
+
+
+def test_parallel_samples_survive_preemption_by_swap(checkpoints):
+    path, _ = checkpoints["llama"]
+    prompts = [{"prompt_token_ids": list(range(1 + i, 20 + i))} for i in range(4)]
+    params = SamplingParams(n=3, max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    roomy = LLM(str(path), num_gpu_blocks=256, block_size=4).generate(prompts, params, use_tqdm=False)
+    tight = LLM(str(path), num_gpu_blocks=24, block_size=4, max_model_len=64, preemption_mode="swap")
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in squeezed] == [[c.token_ids for c in o.outputs] for o in roomy]
+    assert tight.stats["preemptions"] > 0 and tight.scheduler.block_manager.num_free_blocks == 24
+
+
+def test_bad_beam_search_requests_are_refused(checkpoints):
+    path, _ = checkpoints["llama"]
+    llm = LLM(str(path), num_gpu_blocks=8, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="beam_width and max_tokens must be >= 1"):
+        BeamSearchParams(beam_width=0)
+    with pytest.raises(ValueError, match="early_stopping must be"):
+        BeamSearchParams(early_stopping="sometimes")
+    with pytest.raises(ValueError, match="may need 20 blocks; the cache has 8"):
+        llm.beam_search([{"prompt_token_ids": [1] * 10}], BeamSearchParams(4, 10))
+    assert llm.beam_search([{"prompt_token_ids": [1, 2]}], BeamSearchParams(1, 3, ignore_eos=True))[0].sequences

@@ -1,0 +1,174 @@
+"""Stage 9: automatic prefix caching, checked against the same engine without caching."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minipaged.stage1_block_allocator import OutOfBlocksError
+from minipaged.stage3_copy_on_write import CowPagedKVCache
+from minipaged.stage7_engine import SamplingParams
+from minipaged.stage9_prefix_caching import (
+    LLM,
+    CachingBlockAllocator,
+    PrefixCachingBlockSpaceManager,
+)
+
+pytestmark = pytest.mark.stage9
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def tokens(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2000) for _ in range(n)]
+
+
+def run(llm, batches):
+    """Serve several generate calls in turn (later calls can hit what earlier ones cached)."""
+    return [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
+                                                          use_tqdm=False)] for batch in batches]
+
+
+SYSTEM = tokens(0, 70)
+FEW_SHOT = [tokens(1, 45), tokens(2, 90)]
+WORKLOADS = {
+    "system-prompt": [[SYSTEM + tokens(10, 5)], [SYSTEM + tokens(i, 3 + i) for i in range(11, 17)]],
+    "few-shot": [[FEW_SHOT[i % 2] + tokens(20 + i, 8) for i in range(4)], [FEW_SHOT[i % 2] + tokens(30 + i, 6) for i in range(6)]],
+    "no-sharing": [[tokens(40 + i, 20 + 7 * i) for i in range(5)], [tokens(50 + i, 33) for i in range(5)]],
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_outputs_with_caching_equal_outputs_without(workload):
+    batches = WORKLOADS[workload]
+    plain = LLM("tiny", num_gpu_blocks=256)
+    cached = LLM("tiny", num_gpu_blocks=256, enable_prefix_caching=True)
+    assert run(cached, batches) == run(plain, batches)
+    stats, base = cached.stats, plain.stats
+    if workload == "no-sharing":
+        assert stats["prefix_cache_hits"] == 0 and stats["prefill_tokens"] == base["prefill_tokens"]
+    else:
+        assert stats["prefix_cache_hits"] > 0 and stats["prefill_tokens"] < base["prefill_tokens"]
+
+
+def test_same_outputs_under_memory_pressure_with_evictions_and_preemptions():
+    batches = [[SYSTEM + tokens(60 + i, 10) for i in range(6)], [SYSTEM + tokens(70 + i, 12) for i in range(6)],
+               [tokens(80 + i, 60) for i in range(4)], [SYSTEM + tokens(90, 4)]]
+    plain = LLM("tiny", num_gpu_blocks=400)
+    cached = LLM("tiny", num_gpu_blocks=14, max_model_len=128, enable_prefix_caching=True)
+    assert run(cached, batches) == run(plain, batches)
+    assert cached.stats["preemptions"] > 0 and cached.stats["prefix_cache_hits"] > 0
+    manager = cached.scheduler.block_manager
+    assert manager.num_free_blocks == 14 and manager.evictions > 0
+
+
+def test_the_prefill_of_a_cached_prefix_is_skipped():
+    llm = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
+    run(llm, [[SYSTEM + [5, 6, 7]]])
+    before = llm.stats["prefill_tokens"]
+    run(llm, [[SYSTEM + [8, 9]]])  # 70 shared tokens: 4 full blocks of 16 are cached
+    assert llm.stats["prefill_tokens"] - before == 72 - 64
+    assert llm.stats["prefix_cache_hits"] == 4
+
+
+def test_a_hash_collision_never_returns_wrong_blocks():
+    allocator = CachingBlockAllocator(4)
+    block = allocator.allocate()
+    allocator.register(block, digest=1234, tokens=(1, 2, 3), parent=None)
+    assert allocator.lookup(1234, (9, 9, 9), None) is None  # same hash, other tokens
+    assert allocator.lookup(1234, (1, 2, 3), parent=3) is None  # same tokens, other prefix
+    assert allocator.lookup(1234, (1, 2, 3), None) == block and allocator.ref_count(block) == 2
+
+
+def test_eviction_is_least_recently_used_and_last_blocks_first():
+    manager = PrefixCachingBlockSpaceManager(5, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    assert manager.allocate_cached("a", prompt) == 0
+    manager.commit("a", prompt, 7)  # blocks 0, 1, 2 are full and hashed; block 3 holds token 7
+    manager.free("a")
+    assert list(manager.allocator.evictor) == [2, 1, 0] and manager.num_free_blocks == 5
+    taken = manager.allocator.allocate_blocks(3)  # the free blocks 3 and 4, then the oldest cached: 2
+    assert taken == [3, 4, 2] and manager.evictions == 1
+    for block_id in taken:
+        manager.allocator.free(block_id)
+    assert manager.allocate_cached("b", [1, 2, 3, 4, 9]) == 4  # blocks 0 and 1 still hit
+    assert manager.get_block_table("b")[:2] == [0, 1]
+    with pytest.raises(OutOfBlocksError):
+        manager.allocate_cached("c", [1, 2, 3, 4, 5, 6, 8, 8, 8])  # 2 hits, needs 3 more blocks, 2 free
+    assert manager.allocator.ref_count(0) == 1  # the refused call gave its hits back
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Random admissions from a few shared prefixes, appends and frees; K/V checked against a shadow."""
+
+    def __init__(self):
+        super().__init__()
+        self.manager = PrefixCachingBlockSpaceManager(num_blocks=12, block_size=2)
+        self.cache = CowPagedKVCache(1, 12, 2, 1, 1, dtype=torch.float64)
+        self.seqs: dict[int, list[int]] = {}
+        self.counter = 0
+
+    def _write(self, seq_id, start):
+        toks = self.seqs[seq_id]
+        values = torch.tensor([t * 1000.0 + p for p, t in enumerate(toks)], dtype=torch.float64)[start:]
+        n = len(toks) - start
+        self.cache.write(0, self.manager.slot_mapping([seq_id], [n]), values.view(n, 1, 1), -values.view(n, 1, 1))
+        self.manager.commit(seq_id, toks, len(toks))
+
+    @rule(prefix=st.sampled_from([(1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 7, 7, 7, 7, 7)]), tail=st.lists(st.integers(1, 9), max_size=4))
+    def admit(self, prefix, tail):
+        self.counter += 1
+        toks = list(prefix) + tail
+        try:
+            cached = self.manager.allocate_cached(self.counter, toks)
+        except OutOfBlocksError:
+            return
+        self.seqs[self.counter] = toks
+        self._write(self.counter, cached)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), token=st.integers(1, 9))
+    def append(self, data, token):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        if not self.manager.can_append_slot(seq_id):
+            return
+        self.manager.append_slot(seq_id)
+        self.cache.copy_blocks(self.manager.take_copies())
+        self.seqs[seq_id].append(token)
+        self._write(seq_id, len(self.seqs[seq_id]) - 1)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.manager.free(seq_id)
+        del self.seqs[seq_id]
+
+    @invariant()
+    def books_are_consistent(self):
+        allocator = self.manager.allocator
+        held = [b for t in self.manager.block_tables.values() for b in t.block_ids]
+        for block_id in range(12):
+            assert allocator.ref_count(block_id) == held.count(block_id)
+        assert all(allocator.hash_of[b] == h for h, b in allocator.table.items())
+        assert all(b in allocator.hash_of and allocator.ref_count(b) == 0 for b in allocator.evictor)
+        assert self.manager.num_free_blocks + len(set(held)) == 12
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for seq_id, toks in self.seqs.items():
+            k, _ = self.cache.gather(0, self.manager.get_block_table(seq_id), len(toks))
+            assert k.flatten().tolist() == [t * 1000.0 + p for p, t in enumerate(toks)]
+
+    def teardown(self):
+        for seq_id in list(self.seqs):
+            self.manager.free(seq_id)
+        assert self.manager.num_free_blocks == 12
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
