@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NOTEBOOKS_OUT := build/tutorials
 
-.PHONY: install demo test lint unit notebooks docs-build docs bench clean
+.PHONY: install demo test lint unit notebooks docs-build docs bench bench-full clean
 
 # A virtual environment with the project (editable) and its pinned dependencies.
 # torch 2.13.0 (CPU build) first, so that nothing pulls a CUDA build.
@@ -49,11 +49,19 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	@for script in bench/*.py; do \
-		case $$script in */workloads.py|*/common.py|*/_*) continue;; esac; \
+		case $$script in */workloads.py) continue;; esac; \
 		echo "== $$script"; $(PY) $$script --quick || exit 1; \
 	done
 	$(PY) -m pytest bench/micro -p no:cacheprovider -o python_files="bench_*.py" --benchmark-only \
 		--benchmark-columns=min,median,mean,ops --benchmark-sort=name
+
+# The full runs, whose plots the documentation shows.
+bench-full: $(STAMP)
+	@for script in bench/*.py; do \
+		case $$script in */workloads.py) continue;; esac; \
+		echo "== $$script"; $(PY) $$script || exit 1; \
+	done
+	mkdir -p docs/benchmarks && cp bench/results/*.png docs/benchmarks/
 
 clean:
 	rm -rf build docs/tutorials .pytest_cache .ruff_cache .benchmarks

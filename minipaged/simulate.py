@@ -60,26 +60,36 @@ def synthetic_requests(
 
 @dataclass
 class SimulationResult:
-    """Averages over the *saturated* steps: those in which a request waits for memory."""
+    """Averages over the *saturated* steps, those in which a request waits for memory (over
+    the steps in which anything runs, if none was saturated). ``mean_batch``: requests
+    running, on average over the steps while requests keep arriving (the steady state)."""
 
     policy: str
     fractions: dict[str, float]  # mean share of the arena per kind of slot
     mean_running: float  # requests holding memory, on average over the steps
     steps: int
     preemptions: int = 0
+    mean_batch: float = 0.0  # requests running, on average while requests keep arriving
 
 
-def _accumulate(totals: dict[str, float], fractions: dict[str, float], running: int) -> None:
-    for kind, share in fractions.items():
-        totals[kind] += share
-    totals["running"] += running
-    totals["samples"] += 1
+def _accumulate(totals: dict, fractions: dict[str, float], running: int, saturated: bool, arriving: bool) -> None:
+    keys = [k for k, on in (("busy", running > 0), ("saturated", saturated), ("arriving", arriving)) if on]
+    for key in keys:
+        sums = totals.setdefault(key, dict.fromkeys((*KINDS, "running", "samples"), 0.0))
+        for kind, share in fractions.items():
+            sums[kind] += share
+        sums["running"] += running
+        sums["samples"] += 1
 
 
-def _result(policy: str, totals: dict[str, float], steps: int, preemptions: int = 0) -> SimulationResult:
-    samples = max(totals["samples"], 1)
-    fractions = {kind: totals[kind] / samples for kind in KINDS}
-    return SimulationResult(policy, fractions, totals["running"] / samples, steps, preemptions)
+def _result(policy: str, totals: dict, steps: int, preemptions: int = 0) -> SimulationResult:
+    empty = dict.fromkeys((*KINDS, "running", "samples"), 0.0)
+    sums = totals.get("saturated", totals.get("busy", empty))
+    samples = max(sums["samples"], 1)
+    fractions = {kind: sums[kind] / samples for kind in KINDS}
+    steady = totals.get("arriving", empty)
+    return SimulationResult(policy, fractions, sums["running"] / samples, steps, preemptions,
+                            steady["running"] / max(steady["samples"], 1))
 
 
 def simulate_contiguous(
@@ -99,7 +109,7 @@ def simulate_contiguous(
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
     running: list[Request] = []
-    totals = dict.fromkeys((*KINDS, "running", "samples"), 0.0)
+    totals: dict = {}
     step = 0
     while pending or waiting or running:
         while pending and pending[0].arrival <= step:
@@ -111,8 +121,7 @@ def simulate_contiguous(
             running.append(r)
         head = waiting[0] if waiting else None
         usage = cache.usage(cache.reservation(head.prompt_len, head.output_len) if head else None)
-        if waiting:
-            _accumulate(totals, usage.fractions(), len(running))
+        _accumulate(totals, usage.fractions(), len(running), saturated=bool(waiting), arriving=bool(pending))
         step += 1
         still_running = []
         for r in running:
@@ -143,7 +152,7 @@ def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 1
     waiting: deque[Request] = deque()
     running: list[Request] = []  # in arrival order
     stored = {r.request_id: r.prompt_len for r in requests}  # tokens to hold once admitted
-    totals = dict.fromkeys((*KINDS, "running", "samples"), 0.0)
+    totals: dict = {}
     step, preemptions = 0, 0
     while pending or waiting or running:
         while pending and pending[0].arrival <= step:
@@ -153,8 +162,8 @@ def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 1
             manager.allocate(r.request_id, stored[r.request_id])
             running.append(r)
             running.sort(key=lambda x: (x.arrival, x.request_id))
-        if waiting:
-            _accumulate(totals, manager.usage().fractions(), len(running))
+        _accumulate(totals, manager.usage().fractions(), len(running), saturated=bool(waiting),
+                    arriving=bool(pending))
         step += 1
         for r in list(running):
             if r not in running:

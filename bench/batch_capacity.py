@@ -1,0 +1,93 @@
+"""How many requests run at once in one KV budget? (the vLLM paper's Figure 13)
+
+One budget, the paper's for OPT-13B on an A100-40GB: 12 GiB of KV cache, 800 KB per token,
+15,728 token slots. Requests from a ShareGPT-like or Alpaca-like trace (bench/workloads.py)
+arrive at several rates and are served first come, first served, with no model: each step
+every running request produces one token. Contiguous reservation (stage 0, policies
+``max``, ``pow2``, ``oracle``) runs in its own first-fit loop (``simulate_contiguous``);
+paged memory runs through the real stage 6 ``Scheduler`` (blocks of 16, preemption by
+recomputation). Reported: the average number of running requests over the steps while
+requests keep arriving (the steady state, without the final drain). At low rates arrivals
+limit the batch; at high rates, memory does. Writes bench/results/batch_capacity.json and .png; the last line
+is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from workloads import MAX_LEN, OPT_13B_SLOTS, TRACES, trace  # noqa: E402
+
+from minipaged.simulate import simulate_contiguous  # noqa: E402
+from minipaged.stage6_scheduler import Scheduler  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+SCALE = {"ShareGPT": 1, "Alpaca": 40}  # Alpaca's requests are ~6x shorter: more arrive per step
+PAPER_SHAREGPT_2RPS = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
+
+
+def mean_batch_paged(requests, slots: int, block_size: int = 16) -> float:
+    """Serve the trace through the real scheduler with a model that computes nothing."""
+    scheduler = Scheduler(slots // block_size, block_size, max_num_seqs=1024, max_model_len=MAX_LEN,
+                          max_num_batched_tokens=8 * MAX_LEN)
+    pending, step, total, busy = sorted(requests, key=lambda r: r.arrival), 0, 0, 0
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0].arrival <= step:
+            r = pending.pop(0)
+            scheduler.add_sequence([1] * r.prompt_len, r.output_len)
+        out = scheduler.schedule()
+        for seq, _ in out.scheduled:
+            scheduler.append_token(seq, 1)
+            if len(seq.output_token_ids) == seq.max_tokens:
+                scheduler.finish(seq)
+        if pending:  # the steady state: requests keep arriving
+            total += len(out.scheduled)
+            busy += 1
+        step += 1
+    return total / max(busy, 1)
+
+
+def mean_batch_contiguous(requests, policy: str, slots: int) -> float:
+    return simulate_contiguous(requests, policy, slots, MAX_LEN).mean_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests and rates")
+    args = parser.parse_args()
+    rates = [0.05, 0.2] if args.quick else [0.01, 0.02, 0.05, 0.1, 0.2]
+    results = {}
+    for name in TRACES:
+        for rate in rates:
+            requests = trace(name, 150 if args.quick else 500, rate * SCALE[name])
+            row = {p: mean_batch_contiguous(requests, p, OPT_13B_SLOTS) for p in ("max", "pow2", "oracle")}
+            row["paged"] = mean_batch_paged(requests, OPT_13B_SLOTS)
+            results[f"{name}/{rate}"] = row
+            print(f"{name:<9} rate {rate * SCALE[name]:<5} req/step: "
+                  + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batch_capacity.json").write_text(json.dumps({"slots": OPT_13B_SLOTS, "results": results,
+                                                             "paper_sharegpt_2rps": PAPER_SHAREGPT_2RPS}, indent=2))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, name in zip(axes, TRACES, strict=True):
+        for kind in ("max", "pow2", "oracle", "paged"):
+            ax.plot(rates, [results[f"{name}/{r}"][kind] for r in rates], "o-", label=kind)
+        ax.set_title(f"{name} (arrivals x{SCALE[name]})")
+        ax.set_xlabel("arrivals per step")
+    axes[0].set_ylabel("requests running at once")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "batch_capacity.png", dpi=120)
+    top = results[f"ShareGPT/{rates[-1]}"]
+    print("ShareGPT, saturated: " + ", ".join(f"{k} {v:.2f}" for k, v in top.items())
+          + "  (paper at 2 req/s: " + ", ".join(f"{k} {v}" for k, v in PAPER_SHAREGPT_2RPS.items()) + ")")
+
+
+if __name__ == "__main__":
+    main()
