@@ -48,13 +48,37 @@ VERSIONS = ("v1", "v2")
 
 
 @triton.jit
+def _load_tile(cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM: tl.constexpr):
+    # BEGIN SOLUTION each token of the tile finds its own block through the table row: (BLOCK_N, D_PAD)
+    block = tl.load(table_row + pos // block_size, mask=valid, other=0).to(tl.int64)
+    rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh
+    mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    return tl.load(cache + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    # END SOLUTION
+
+
+@triton.jit
+def _online_softmax(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):
+    # BEGIN SOLUTION scores of one tile; raise the running max, rescale l and acc, add the tile
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_N)
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp(m - m_new)  # rescales what was accumulated under the old maximum
+    p = tl.exp(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+    # END SOLUTION
+
+
+@triton.jit
 def _decode_v1_kernel(
     out, query, key_cache, value_cache, block_tables, seq_lens, scale,
     s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_bt, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # BEGIN SOLUTION load the group's queries, loop over the context in tiles with an online softmax, store acc / l
+    # BEGIN SOLUTION load the group's queries, loop over the context tile by tile, store acc / l
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
@@ -66,22 +90,13 @@ def _decode_v1_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    table_row = block_tables + seq * s_bt
     for start in range(0, seq_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # token positions of this tile
         valid = pos < seq_len
-        block = tl.load(block_tables + seq * s_bt + pos // block_size, mask=valid, other=0).to(tl.int64)
-        rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh
-        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (GROUP_PAD, BLOCK_N)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        k = _load_tile(key_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
+        v = _load_tile(value_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
+        m, l, acc = _online_softmax(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
     result = acc / l[:, None]
     tl.store(out + seq * s_ot + heads[:, None] * s_oh + offs_d[None, :], result.to(out.dtype.element_ty), mask=q_mask)
     # END SOLUTION
@@ -108,22 +123,13 @@ def _decode_v2_partial_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     end = tl.minimum(part * PARTITION + PARTITION, seq_len)  # empty partitions skip the loop
+    table_row = block_tables + seq * s_bt
     for start in range(part * PARTITION, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(block_tables + seq * s_bt + pos // block_size, mask=valid, other=0).to(tl.int64)
-        rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh
-        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        k = _load_tile(key_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
+        v = _load_tile(value_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
+        m, l, acc = _online_softmax(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
     slot = (seq * num_heads + heads) * max_parts + part  # (GROUP_PAD,) index into (seqs, heads, parts)
     head_ok = offs_g < GROUP
     tl.store(tmp_m + slot, m, mask=head_ok)
@@ -179,23 +185,14 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     hi = tl.where(tile * BLOCK_M < q_len, tl.minimum(seq_len, context + (tile + 1) * BLOCK_M), 0)
+    table_row = block_tables + seq * s_bt
     for start in range(0, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < seq_len
-        block = tl.load(block_tables + seq * s_bt + pos // block_size, mask=valid, other=0).to(tl.int64)
-        rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh
-        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        k = _load_tile(key_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
+        v = _load_tile(value_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, on absolute positions
+        m, l, acc = _online_softmax(q, k, v, visible, m, l, acc, scale, PRECISION)
     result = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows past the last query have no keys
     o_ptrs = out + (q_start + offs_m)[:, None] * s_ot + head * s_oh + offs_d[None, :]
     tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=q_mask)
