@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent
 if sys.path[:1] != [str(ROOT)]:
     sys.path.insert(0, str(ROOT))
 
-import minipaged  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+import minipaged  # noqa: E402
 
 # In CI, property-based tests draw the same examples every run: a red build can be replayed.
 settings.register_profile("ci", derandomize=True, print_blob=True)
