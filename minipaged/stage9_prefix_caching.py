@@ -37,6 +37,11 @@ from minipaged.stage8_sharing import LLM as SharingLLM
 from minipaged.stage8_sharing import ForkingScheduler
 
 
+def block_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """The name of a full block: its parent's hash and its own token ids, hashed together."""
+    return hash((parent_hash, tokens))
+
+
 class CachingBlockAllocator(RefCountedBlockAllocator):
     """Blocks with reference counts, whose contents can outlive their last reference."""
 
@@ -135,12 +140,13 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         # BEGIN SOLUTION follow the chain of hashes over the full blocks (never the last token's block)
         for start in range(0, (len(token_ids) - 1) // size * size, size):
             tokens = tuple(token_ids[start : start + size])
+            candidate = block_hash(digest, tokens)
             self.looked_up_blocks += 1
-            block_id = allocator.lookup(hash((digest, tokens)), tokens, parent)
+            block_id = allocator.lookup(candidate, tokens, parent)
             if block_id is None:
                 break
             reused.append(block_id)
-            digest, parent = hash((digest, tokens)), block_id
+            digest, parent = candidate, block_id
         # END SOLUTION
         try:
             fresh = allocator.allocate_blocks(self.blocks_needed(len(token_ids)) - len(reused))
@@ -160,7 +166,7 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         parent = table.block_ids[done - 1] if done else None
         while (done + 1) * size <= num_computed:
             tokens = tuple(token_ids[done * size : (done + 1) * size])
-            digest = hash((digest, tokens))
+            digest = block_hash(digest, tokens)
             block_id = table.block_ids[done]
             self.allocator.register(block_id, digest, tokens, parent)
             parent, done = block_id, done + 1

@@ -72,6 +72,23 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
                         scale=scale, query_start_loc=meta.query_start_loc, validate=meta.validate)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linear layers that read the same input.
+
+    Each layer's weight then views its slice of the fused tensor, so no weight is held twice.
+    """
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if linears[0].bias is not None else None
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        linear.weight.data = weight[rows]
+        if bias is not None:
+            linear.bias.data = bias[rows]
+        start = rows.stop
+    return weight, bias
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -85,10 +102,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
 
     def fuse(self) -> None:
-        """One matmul for q, k and v (vLLM's ``qkv_proj``), built from the three loaded weights."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([p.weight for p in projections]).detach()
-        self.qkv_bias = torch.cat([p.bias for p in projections]).detach() if self.c.qkv_bias else None
+        """One matmul for q, k and v (vLLM's ``qkv_proj``)."""
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, kv_cache, meta):  # x: (num_tokens, hidden)
         c = self.c
@@ -114,8 +129,7 @@ class LlamaMLP(nn.Module):
 
     def fuse(self) -> None:
         """One matmul for gate and up (vLLM's ``gate_up_proj``)."""
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
-        self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]).detach() if self.gate_proj.bias is not None else None
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x):
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
