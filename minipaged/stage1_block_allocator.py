@@ -13,27 +13,38 @@ num_blocks - 1``, a free list, ``allocate`` and ``free`` in O(1). It knows nothi
 tokens or sequences; stage 2 builds those on top. It is strict, because every later
 stage trusts it: asking for more blocks than are free raises ``OutOfBlocksError`` (and
 allocates none), and freeing a block twice or an id it never handed out raises
-``ValueError`` and changes nothing.
+``ValueError`` and changes nothing. Higher stages *wrap* it (stage 3 adds reference
+counts, stage 9 a cache of blocks by content) and call only its public methods, so any
+allocator that passes this stage's tests works under all of them.
 """
 
 from __future__ import annotations
 
 
 class OutOfBlocksError(RuntimeError):
-    """Fewer blocks are free than were asked for; nothing was allocated."""
+    """Fewer blocks are free than were asked for; nothing was allocated.
+
+    ``num_requested`` and ``num_free`` say how many were asked for and how many were free.
+    """
+
+    def __init__(self, num_requested: int, num_free: int) -> None:
+        super().__init__(f"asked for {num_requested} block(s) but only {num_free} are free")
+        self.num_requested, self.num_free = num_requested, num_free
 
 
 class BlockAllocator:
     """A pool of ``num_blocks`` physical blocks, ids ``0 .. num_blocks - 1``.
 
-    Free blocks sit on a stack: ``allocate`` pops, ``free`` pushes, both O(1). A flag per
-    block tells, in O(1) too, whether an id is currently free (so a double free is caught).
+    Free blocks sit on a stack: ``allocate`` pops, ``free`` pushes, both O(1) per block. A
+    flag per block tells, in O(1) too, whether an id is currently free (so a double free is
+    caught). Its public interface is all that higher stages use: ``allocate``, ``free``,
+    ``is_free``, ``num_free_blocks`` and ``num_total_blocks``.
     """
 
     def __init__(self, num_blocks: int) -> None:
-        # BEGIN SOLUTION check num_blocks; build the free stack (lowest id on top) and the free flags
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        # BEGIN SOLUTION build the free stack (lowest id on top) and the free flags
         self._num_blocks = num_blocks
         self._free_stack = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
         self._is_free = [True] * num_blocks
@@ -54,31 +65,23 @@ class BlockAllocator:
         # END SOLUTION
 
     def is_free(self, block_id: int) -> bool:
-        """Whether ``block_id`` is on the free stack."""
-        # BEGIN SOLUTION
+        """Whether ``block_id`` is free; ``ValueError`` for an id outside the pool."""
         self._check_id(block_id)
+        # BEGIN SOLUTION
         return self._is_free[block_id]
         # END SOLUTION
 
-    def allocate(self) -> int:
-        """Take one free block and return its id; ``OutOfBlocksError`` if none is free."""
-        # BEGIN SOLUTION pop the free stack, mark the block used
-        return self.allocate_blocks(1)[0]
-        # END SOLUTION
+    def allocate(self, num_blocks: int = 1) -> list[int]:
+        """Take ``num_blocks`` free blocks and return their ids, lowest free id first.
 
-    def allocate_blocks(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` free blocks at once, or none at all.
-
-        Raises ``OutOfBlocksError`` saying how many were asked for and how many are free.
+        All or nothing: ``OutOfBlocksError`` (with ``num_requested`` and ``num_free``) if
+        fewer are free, and then nothing is taken. ``ValueError`` for a negative count.
         """
-        # BEGIN SOLUTION all or nothing: check first, then pop num_blocks ids
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
+        # BEGIN SOLUTION check first, then pop num_blocks ids and mark them used
         if num_blocks > len(self._free_stack):
-            raise OutOfBlocksError(
-                f"asked for {num_blocks} block(s) but only {len(self._free_stack)} of "
-                f"{self._num_blocks} are free"
-            )
+            raise OutOfBlocksError(num_blocks, len(self._free_stack))
         ids = [self._free_stack.pop() for _ in range(num_blocks)]
         for block_id in ids:
             self._is_free[block_id] = False
@@ -88,11 +91,11 @@ class BlockAllocator:
     def free(self, block_id: int) -> None:
         """Give a block back to the pool.
 
-        Raises ``ValueError`` for an id outside the pool or a block that is already free;
-        the pool is unchanged then.
+        Raises ``ValueError`` for an id outside the pool or a block that is already free
+        (a double free); the pool is unchanged then.
         """
-        # BEGIN SOLUTION validate the id, refuse a double free, push the block back
         self._check_id(block_id)
+        # BEGIN SOLUTION refuse a double free, push the block back
         if self._is_free[block_id]:
             raise ValueError(f"block {block_id} is already free (double free)")
         self._is_free[block_id] = True

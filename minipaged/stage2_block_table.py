@@ -11,10 +11,12 @@ therefore lives in slot::
 This stage adds three pieces, with vLLM's names:
 
 * ``BlockTable`` — one sequence's physical block ids, in logical order, and its length.
-* ``BlockSpaceManager`` — the bookkeeping: ``allocate`` blocks for a prompt,
-  ``append_slot`` for each generated token (a new block only when the last one is
-  full), ``free``, and the ``slot_mapping`` that tells the model where to write K/V.
-  Nothing is reserved ahead: at most ``block_size - 1`` slots per sequence sit idle.
+* ``BlockSpaceManager(allocator, block_size)`` — the bookkeeping, over any allocator
+  with stage 1's interface: ``allocate`` blocks for a prompt, ``append_slot`` for each
+  generated token (a new block only when the last one is full), ``free``, and, for a
+  batch, the ``slot_mapping`` that tells the model where to write K/V and the
+  ``block_tables_tensor`` that tells attention where to read. Nothing is reserved
+  ahead: at most ``block_size - 1`` slots per sequence sit idle.
 * ``PagedKVCache`` — the tensors: per layer, ``key_cache`` and ``value_cache`` of shape
   ``(num_blocks, block_size, num_kv_heads, head_dim)``; ``write`` through a slot mapping,
   ``gather`` a sequence's K/V back into one contiguous tensor.
@@ -43,15 +45,17 @@ class BlockTable:
 
 
 class BlockSpaceManager:
-    """Maps each sequence's logical blocks to physical blocks of one ``BlockAllocator``."""
+    """Maps each sequence's logical blocks to physical blocks of ``allocator``.
 
-    allocator_class = BlockAllocator
+    ``block_tables`` maps each sequence id to its ``BlockTable``. The allocator is used
+    through stage 1's public methods only: ``allocate(n)``, ``free(id)``,
+    ``num_free_blocks``, ``num_total_blocks``.
+    """
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
+    def __init__(self, allocator: BlockAllocator, block_size: int = 16) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.block_size = block_size
-        self.allocator = self.allocator_class(num_blocks)
+        self.allocator, self.block_size = allocator, block_size
         self.block_tables: dict[Hashable, BlockTable] = {}
 
     @property
@@ -74,30 +78,28 @@ class BlockSpaceManager:
         return self.blocks_needed(num_tokens) <= self.num_free_blocks
         # END SOLUTION
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> BlockTable:
-        """Give a new sequence the blocks for its first ``num_tokens`` tokens (its prompt).
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Give a new sequence the blocks for its prompt ``token_ids``, all at once.
 
-        Raises ``ValueError`` for a duplicate id, a bad length or a sequence larger than
-        the whole cache, ``OutOfBlocksError`` when too few blocks are free now; a refused
-        call changes nothing.
+        Returns how many of those tokens already have their K/V in the cache: 0 here,
+        every block being new (the model computes them all). ``ValueError`` for a
+        duplicate id, an empty prompt or one larger than the whole cache;
+        ``OutOfBlocksError`` when too few blocks are free now. A refused call changes nothing.
         """
-        # BEGIN SOLUTION validate, then take every block at once from the allocator
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
-        if not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
-        needed = self.blocks_needed(num_tokens)
+        if len(token_ids) < 1:
+            raise ValueError("a sequence needs at least one token")
+        needed = self.blocks_needed(len(token_ids))
         if needed > self.num_total_blocks:
-            raise ValueError(
-                f"sequence {seq_id!r} needs {needed} blocks of {self.block_size} tokens; the "
-                f"cache has only {self.num_total_blocks}: it can never fit"
-            )
-        table = BlockTable(self.allocator.allocate_blocks(needed), num_tokens)
-        self.block_tables[seq_id] = table
-        return table
+            raise ValueError(f"sequence {seq_id!r} needs {needed} blocks; the cache has {self.num_total_blocks}")
+        # BEGIN SOLUTION take every block at once from the allocator, record the table
+        self.block_tables[seq_id] = BlockTable(self.allocator.allocate(needed), len(token_ids))
+        return 0
         # END SOLUTION
 
-    def _table(self, seq_id: Hashable) -> BlockTable:
+    def table(self, seq_id: Hashable) -> BlockTable:
+        """The ``BlockTable`` of ``seq_id``; ``KeyError`` if it has none (never allocated, or freed)."""
         if seq_id not in self.block_tables:
             raise KeyError(f"sequence {seq_id!r} has no block table (never allocated, or freed)")
         return self.block_tables[seq_id]
@@ -105,8 +107,7 @@ class BlockSpaceManager:
     def can_append_slot(self, seq_id: Hashable) -> bool:
         """Whether ``append_slot`` would succeed now."""
         # BEGIN SOLUTION a free block is needed only when the last block is full
-        table = self._table(seq_id)
-        return table.num_tokens % self.block_size != 0 or self.num_free_blocks > 0
+        return self.table(seq_id).num_tokens % self.block_size != 0 or self.num_free_blocks > 0
         # END SOLUTION
 
     def append_slot(self, seq_id: Hashable) -> int:
@@ -115,35 +116,36 @@ class BlockSpaceManager:
         A new block is taken only when the last block is full. ``OutOfBlocksError`` if one
         is needed and none is free (the sequence is unchanged).
         """
+        table = self.table(seq_id)
         # BEGIN SOLUTION take a new block if the last one is full, then count the token
-        table = self._table(seq_id)
         if table.num_tokens % self.block_size == 0:
-            table.block_ids.append(self.allocator.allocate())
+            table.block_ids += self.allocator.allocate(1)
         table.num_tokens += 1
         return self.slot_of(seq_id, table.num_tokens - 1)
         # END SOLUTION
 
     def slot_of(self, seq_id: Hashable, position: int) -> int:
-        """The slot of token ``position`` of ``seq_id``: block id * block_size + offset."""
-        # BEGIN SOLUTION
-        table = self._table(seq_id)
+        """The slot of token ``position`` of ``seq_id``: block id * block_size + offset.
+
+        ``IndexError`` for a position outside ``0 .. num_tokens - 1``.
+        """
+        table = self.table(seq_id)
+        # BEGIN SOLUTION check the position, then look its block up in the table
         if not 0 <= position < table.num_tokens:
             raise IndexError(f"position {position} outside sequence {seq_id!r} of {table.num_tokens} tokens")
         return table.block_ids[position // self.block_size] * self.block_size + position % self.block_size
         # END SOLUTION
 
     def free(self, seq_id: Hashable) -> None:
-        """Give every block of ``seq_id`` back to the allocator."""
-        # BEGIN SOLUTION
-        table = self._table(seq_id)
-        for block_id in table.block_ids:
+        """Give every block of ``seq_id`` back to the allocator, its last block first."""
+        table = self.table(seq_id)
+        for block_id in reversed(table.block_ids):  # a stack hands them out again in order
             self.allocator.free(block_id)
         del self.block_tables[seq_id]
-        # END SOLUTION
 
     def get_block_table(self, seq_id: Hashable) -> list[int]:
         """The physical block ids of ``seq_id``, in logical order (a copy)."""
-        return list(self._table(seq_id).block_ids)
+        return list(self.table(seq_id).block_ids)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]) -> torch.Tensor:
         """The slots of the last ``num_new_tokens[i]`` tokens of each ``seq_ids[i]``, concatenated.
@@ -151,27 +153,26 @@ class BlockSpaceManager:
         This is what a forward pass over a batch needs: where to write each new token's K/V.
         Returns int64 ``(sum(num_new_tokens),)``.
         """
-        # BEGIN SOLUTION
-        slots = []
+        size, slots = self.block_size, []
+        # BEGIN SOLUTION the new tokens are the last ones: positions num_tokens - n .. num_tokens - 1
         for seq_id, n in zip(seq_ids, num_new_tokens, strict=True):
-            end = self._table(seq_id).num_tokens
-            slots.extend(self.slot_of(seq_id, p) for p in range(end - n, end))
-        return torch.tensor(slots, dtype=torch.int64)
+            table = self.table(seq_id)
+            ids, end = table.block_ids, table.num_tokens
+            slots += [ids[p // size] * size + p % size for p in range(end - n, end)]
         # END SOLUTION
+        return torch.tensor(slots, dtype=torch.int64)
 
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's blocks are 0."""
-        tables = [self._table(s).block_ids for s in seq_ids]
-        out = torch.zeros(len(tables), max((len(t) for t in tables), default=0), dtype=torch.int32)
-        for row, ids in enumerate(tables):
-            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        return out
+        tables = [self.table(s).block_ids for s in seq_ids]
+        width = max(map(len, tables), default=0)
+        return torch.tensor([ids + [0] * (width - len(ids)) for ids in tables], dtype=torch.int32).view(-1, width)
 
     def usage(self) -> CacheUsage:
         """Stage 0's breakdown for the paged cache: internal = the slack in last blocks.
 
         Nothing is reserved ahead and any free block fits anyone, so ``reserved`` and
-        ``external`` are 0. A block shared by several sequences (stage 3) counts once.
+        ``external`` are 0. A block held by several sequences counts once.
         """
         filled: dict[int, int] = {}  # physical block -> slots holding K/V
         for table in self.block_tables.values():
@@ -221,8 +222,10 @@ class PagedKVCache:
         if slot_mapping.numel() and int(slot_mapping.max()) >= k_flat.shape[0]:
             raise ValueError(f"slot {int(slot_mapping.max())} is outside the cache ({k_flat.shape[0]} slots)")
         keep = slot_mapping >= 0
-        k_flat[slot_mapping[keep]] = key[keep].to(k_flat.dtype)
-        v_flat[slot_mapping[keep]] = value[keep].to(v_flat.dtype)
+        if not bool(keep.all()):  # -1: a token whose K/V are not stored
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        k_flat[slot_mapping] = key.to(k_flat.dtype)
+        v_flat[slot_mapping] = value.to(v_flat.dtype)
         # END SOLUTION
 
     def gather(self, layer: int, block_table: Sequence[int] | torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

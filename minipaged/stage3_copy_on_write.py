@@ -9,6 +9,8 @@ Three things make that safe, as in an operating system:
 
 * **Reference counts.** Each block counts the block tables that hold it. ``free`` of a
   sequence drops one reference per block; a block returns to the pool only at zero.
+  ``RefCountedBlockAllocator`` *wraps* a stage-1 ``BlockAllocator`` (as vLLM's allocators
+  wrap one another) and keeps the counts beside it, calling only its public methods.
 * **Fork.** ``fork(parent, child)`` gives the child a copy of the parent's block *table*
   (not of the blocks) and adds one reference to each block: no K/V is copied.
 * **Copy-on-write.** Full blocks never change again, so sharing them is free. The last
@@ -32,71 +34,92 @@ from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import BlockSpaceManager, BlockTable, PagedKVCache
 
 
-class RefCountedBlockAllocator(BlockAllocator):
-    """A ``BlockAllocator`` whose blocks carry reference counts.
+class RefCountedBlockAllocator:
+    """Stage 1's pool, wrapped, with a reference count per block.
 
-    ``allocate`` hands out a block with one reference; ``incref`` adds one; ``free`` drops
-    one and returns the block to the pool when none is left.
+    ``allocate`` hands out blocks with one reference each; ``incref`` adds one; ``free``
+    drops one and gives the block back to the pool when none is left. The rest of stage
+    1's interface (``is_free``, ``num_free_blocks``, ``num_total_blocks``) passes through.
     """
 
     def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        self.pool = BlockAllocator(num_blocks)
         # BEGIN SOLUTION one counter per block, all zero
         self._ref_counts = [0] * num_blocks
         # END SOLUTION
 
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def is_free(self, block_id: int) -> bool:
+        return self.pool.is_free(block_id)
+
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id`` (0 when it is free)."""
+        if self.pool.is_free(block_id):  # ValueError for an id outside the pool
+            return 0
         # BEGIN SOLUTION
-        self._check_id(block_id)
         return self._ref_counts[block_id]
         # END SOLUTION
 
-    def allocate_blocks(self, num_blocks: int) -> list[int]:
-        # BEGIN SOLUTION allocate as before, then give each block one reference
-        ids = super().allocate_blocks(num_blocks)
+    def allocate(self, num_blocks: int = 1) -> list[int]:
+        """Take ``num_blocks`` blocks from the pool (all or nothing), one reference each."""
+        # BEGIN SOLUTION allocate from the pool, then give each block one reference
+        ids = self.pool.allocate(num_blocks)
         for block_id in ids:
             self._ref_counts[block_id] = 1
         return ids
         # END SOLUTION
 
     def incref(self, block_id: int) -> None:
-        """Add a reference to a block in use (sharing it); a free block cannot be shared."""
-        # BEGIN SOLUTION
-        if self.is_free(block_id):
+        """Add a reference to a block in use (sharing it); ``ValueError`` for a free block."""
+        if self.pool.is_free(block_id):
             raise ValueError(f"block {block_id} is free; only a block in use can be shared")
+        # BEGIN SOLUTION
         self._ref_counts[block_id] += 1
         # END SOLUTION
 
     def free(self, block_id: int) -> None:
-        """Drop one reference; the block goes back to the pool when it was the last."""
-        # BEGIN SOLUTION refuse a free block, decrement, return the block at zero
-        if self.is_free(block_id):
+        """Drop one reference; the block goes back to the pool when it was the last.
+
+        ``ValueError`` for a free block or a foreign id, and nothing changes.
+        """
+        if self.pool.is_free(block_id):
             raise ValueError(f"block {block_id} is already free (double free)")
+        # BEGIN SOLUTION decrement, return the block to the pool at zero
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            super().free(block_id)
+            self.pool.free(block_id)
         # END SOLUTION
 
 
 class CowBlockSpaceManager(BlockSpaceManager):
-    """A ``BlockSpaceManager`` whose sequences share blocks: fork and copy-on-write."""
+    """A ``BlockSpaceManager`` whose sequences share blocks: fork and copy-on-write.
 
-    allocator_class = RefCountedBlockAllocator
+    Its allocator must count references: a ``RefCountedBlockAllocator`` (or one that wraps it).
+    """
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
-        super().__init__(num_blocks, block_size)
-        self._pending_copies: list[tuple[int, int]] = []
+    def __init__(self, allocator: RefCountedBlockAllocator, block_size: int = 16) -> None:
+        super().__init__(allocator, block_size)
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination), for the runner
 
     def ref_count(self, block_id: int) -> int:
         return self.allocator.ref_count(block_id)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> BlockTable:
-        """Give ``child_seq_id`` the parent's blocks, shared: one more reference each."""
-        # BEGIN SOLUTION copy the table (not the blocks) and incref every block
-        parent = self._table(parent_seq_id)
+        """Give ``child_seq_id`` the parent's blocks, shared: one more reference each.
+
+        ``KeyError`` for an unknown parent, ``ValueError`` if the child already has a table.
+        """
+        parent = self.table(parent_seq_id)
         if child_seq_id in self.block_tables:
             raise ValueError(f"sequence {child_seq_id!r} already has a block table")
+        # BEGIN SOLUTION copy the table (not the blocks) and incref every block
         for block_id in parent.block_ids:
             self.allocator.incref(block_id)
         child = BlockTable(list(parent.block_ids), parent.num_tokens)
@@ -104,13 +127,16 @@ class CowBlockSpaceManager(BlockSpaceManager):
         return child
         # END SOLUTION
 
-    def can_append_slot(self, seq_id: Hashable) -> bool:
-        # BEGIN SOLUTION a new block is needed if the last is full, or partly full and shared
-        table = self._table(seq_id)
+    def needs_new_block(self, seq_id: Hashable) -> bool:
+        """Whether appending a token to ``seq_id`` takes a block: its last block is full, or shared."""
+        table = self.table(seq_id)
+        # BEGIN SOLUTION
         full = table.num_tokens % self.block_size == 0
-        shared = bool(table.block_ids) and self.ref_count(table.block_ids[-1]) > 1
-        return (not full and not shared) or self.num_free_blocks > 0
+        return full or self.ref_count(table.block_ids[-1]) > 1
         # END SOLUTION
+
+    def can_append_slot(self, seq_id: Hashable) -> bool:
+        return not self.needs_new_block(seq_id) or self.num_free_blocks > 0
 
     def append_slot(self, seq_id: Hashable) -> int:
         """Make room for one more token; copy-on-write if the last block is shared.
@@ -119,21 +145,21 @@ class CowBlockSpaceManager(BlockSpaceManager):
         the sequence gets a private block instead, and the pair ``(shared, private)`` is
         queued for ``take_copies``. Returns the new token's slot.
         """
-        # BEGIN SOLUTION copy-on-write the shared last block, then append as in stage 2
-        table = self._table(seq_id)
+        table = self.table(seq_id)
+        # BEGIN SOLUTION copy-on-write the shared, partly filled last block, then append as in stage 2
         if table.num_tokens % self.block_size != 0:
             last = table.block_ids[-1]
             if self.ref_count(last) > 1:
-                private = self.allocator.allocate()
+                (private,) = self.allocator.allocate(1)
                 self.allocator.free(last)  # drop this sequence's reference to the shared block
                 table.block_ids[-1] = private
-                self._pending_copies.append((last, private))
+                self.pending_copies.append((last, private))
         return super().append_slot(seq_id)
         # END SOLUTION
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The ``(source, destination)`` block copies queued since the last call."""
-        copies, self._pending_copies = self._pending_copies, []
+        copies, self.pending_copies = self.pending_copies, []
         return copies
 
 
@@ -142,9 +168,9 @@ class CowPagedKVCache(PagedKVCache):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each source block's K/V into its destination block, on every layer."""
-        # BEGIN SOLUTION one indexed copy per layer for all the pairs
         if not pairs:
             return
+        # BEGIN SOLUTION one indexed copy per layer for all the pairs
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.key_cache[0].device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.key_cache[0].device)
         for cache in (*self.key_cache, *self.value_cache):

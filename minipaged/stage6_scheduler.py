@@ -1,29 +1,31 @@
 """Stage 6 — the scheduler: continuous batching, first come first served, preemption.
 
 Blocks let many sequences share memory; the scheduler decides, step by step, which of
-them run. Each step it forms one batch:
+them run. It schedules **sequence groups**: the sequences of one request (one, most
+often; the samples or beams of a request from stage 8 on), which run, wait, move and
+are preempted together, as in vLLM. Each step it forms one batch:
 
-1. **Decode** every running sequence (one new token each), oldest first. A sequence whose
-   last block is full needs a new block; if none is free, the scheduler **preempts the
-   most recently arrived** running sequence — possibly the one asking — so that the
-   oldest requests always make progress (first come, first served).
-2. **Swap in** swapped-out sequences, oldest first, if nothing was preempted this step.
-3. **Admit** waiting prompts, oldest first, if nothing was preempted and nothing waits in
+1. **Decode** every running group (one new token per sequence), oldest first. A
+   sequence whose last block is full (or shared) needs a new block; if too few are free,
+   the scheduler **preempts the most recently arrived** running group — possibly the one
+   asking — so that the oldest requests always make progress (first come, first served).
+2. **Swap in** swapped-out groups, oldest first, if nothing was preempted this step.
+3. **Admit** waiting groups, oldest first, if nothing was preempted and nothing waits in
    swap — new prompts join the batch while others decode (**continuous batching**),
-   within ``max_num_seqs``, ``max_num_batched_tokens``, and a **watermark** of free blocks
-   kept back so that running sequences can grow.
+   within ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step, and
+   keeping a **watermark** of free blocks back so that running sequences can grow.
 
-A preempted sequence loses its place in memory in one of two ways
-(``preemption_mode``): **recompute** frees its blocks and puts it back in the waiting
-queue with its generated tokens kept, to be prefilled again; **swap** copies its blocks
-to a pool of CPU blocks and frees the GPU ones, to be copied back later. The block
-manager and the cache of stage 3 gain ``swap_out`` / ``swap_in`` for that.
+A preempted group loses its place in memory in one of two ways (``preemption_mode``):
+**recompute** frees its blocks and puts it back in the waiting queue, in arrival order,
+with its generated tokens kept, to be prefilled again; **swap** copies its blocks to a
+pool of CPU blocks and frees the GPU ones, to be copied back later (if the CPU pool is
+full, it falls back to recompute). Blocks shared inside a group move once and stay
+shared. The block manager and the cache of stage 3 gain ``swap_out`` / ``swap_in``.
 
-A request that could never fit (prompt + max_tokens beyond ``max_model_len``) is refused
-when added, and a ``max_model_len`` the cache cannot hold is refused at construction,
-so the scheduler never waits for memory that cannot come. Checked against unlimited
-memory: with a cache small enough to preempt again and again, in both modes, every
-output is the same.
+A request that could never fit is refused when added, and a ``max_model_len`` the cache
+cannot hold is refused at construction, so the scheduler never waits for memory that
+cannot come. Checked against unlimited memory: with a cache small enough to preempt
+again and again, in both modes, every output is the same.
 """
 
 from __future__ import annotations
@@ -38,11 +40,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.stage2_block_table import BlockTable
-from minipaged.stage3_copy_on_write import (
-    CowBlockSpaceManager,
-    CowPagedKVCache,
-    RefCountedBlockAllocator,
-)
+from minipaged.stage3_copy_on_write import CowBlockSpaceManager, CowPagedKVCache, RefCountedBlockAllocator
+
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -54,13 +54,11 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One sequence of tokens: its prompt, what it generated, and what the cache holds of it."""
+    """One sequence of tokens: its prompt, what it generated, and how much of it the cache holds."""
 
-    seq_id: int
     prompt_token_ids: list[int]
-    max_tokens: int
-    arrival: int  # order of arrival: the scheduler serves the smallest first
     output_token_ids: list[int] = field(default_factory=list)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
 
@@ -71,28 +69,63 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def order(self) -> tuple[int, int]:
-        return (self.arrival, self.seq_id)
+    def append_token(self, token_id: int) -> None:
+        """Record a generated token: the K/V of every token before it are now in the cache."""
+        self.num_computed_tokens = len(self)
+        self.output_token_ids.append(token_id)
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request, scheduled together. ``width``: the most it runs at once."""
+
+    request_id: Hashable
+    seqs: list[Sequence]
+    max_tokens: int  # tokens each sequence may generate
+    width: int = 1
+    arrival: int = -1  # set by Scheduler.add: the scheduler serves the smallest first
+
+    def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is status]
+
+    def is_finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+    def max_num_running_seqs(self) -> int:
+        return max(self.width, len(self.seqs) - len(self.seqs_with(SequenceStatus.FINISHED)))
+
+
+def _arrival(group: SequenceGroup) -> int:
+    return group.arrival
 
 
 @dataclass
 class SchedulerOutput:
-    """One step: who runs and how many new tokens each computes, and the block copies to do first."""
+    """One step: who runs and how many new tokens each computes, and the block moves to do first."""
 
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # a group's sequences together
+    scheduled_groups: list[SequenceGroup] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
 
 
 class SwapBlockSpaceManager(CowBlockSpaceManager):
     """Stage 3's manager plus a pool of CPU blocks that sequences can be swapped out to."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0) -> None:
-        super().__init__(num_blocks, block_size)
-        self.cpu_allocator = RefCountedBlockAllocator(num_cpu_blocks) if num_cpu_blocks else None
+    def __init__(self, allocator: RefCountedBlockAllocator, block_size: int = 16,
+                 cpu_allocator: RefCountedBlockAllocator | None = None) -> None:
+        super().__init__(allocator, block_size)
+        self.cpu_allocator = cpu_allocator
         self.swapped_tables: dict[Hashable, BlockTable] = {}
+
+    def can_append_slots(self, seq_ids: Seq[Hashable]) -> bool:
+        """Whether every sequence of ``seq_ids`` can take one more token now."""
+        return sum(self.needs_new_block(s) for s in seq_ids) <= self.num_free_blocks
+
+    def _distinct_blocks(self, tables: dict[Hashable, BlockTable], seq_ids: Seq[Hashable]) -> int:
+        return len({b for s in seq_ids for b in tables[s].block_ids})
 
     def _move(self, tables, seq_ids, source, target, dest_tables) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}  # a block shared by several of seq_ids moves once
@@ -102,17 +135,15 @@ class SwapBlockSpaceManager(CowBlockSpaceManager):
                 if block_id in mapping:
                     target.incref(mapping[block_id])
                 else:
-                    mapping[block_id] = target.allocate()
+                    (mapping[block_id],) = target.allocate(1)
                 source.free(block_id)
                 table.block_ids[i] = mapping[block_id]
             dest_tables[seq_id] = table
         return list(mapping.items())
 
-    def _distinct_blocks(self, tables, seq_ids) -> int:
-        return len({b for s in seq_ids for b in tables[s].block_ids})
-
     def can_swap_out(self, seq_ids: Seq[Hashable]) -> bool:
-        # BEGIN SOLUTION enough free CPU blocks for the distinct blocks of seq_ids
+        """Enough free CPU blocks for the distinct blocks of ``seq_ids``."""
+        # BEGIN SOLUTION
         return self.cpu_allocator is not None and (
             self._distinct_blocks(self.block_tables, seq_ids) <= self.cpu_allocator.num_free_blocks)
         # END SOLUTION
@@ -125,9 +156,10 @@ class SwapBlockSpaceManager(CowBlockSpaceManager):
 
     def can_swap_in(self, seq_ids: Seq[Hashable], watermark: int = 0) -> bool:
         """Enough free GPU blocks for the blocks of ``seq_ids``, the next token of each, and the watermark."""
-        # BEGIN SOLUTION
+        # BEGIN SOLUTION a sequence grows into a new block if its last block is full or shared in the group
         tables = [self.swapped_tables[s] for s in seq_ids]
-        growing = sum(t.num_tokens % self.block_size == 0 for t in tables)  # last block full
+        lasts = [t.block_ids[-1] for t in tables]
+        growing = sum(t.num_tokens % self.block_size == 0 or lasts.count(t.block_ids[-1]) > 1 for t in tables)
         return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark <= self.num_free_blocks
         # END SOLUTION
 
@@ -136,6 +168,14 @@ class SwapBlockSpaceManager(CowBlockSpaceManager):
         # BEGIN SOLUTION
         return self._move(self.swapped_tables, seq_ids, self.cpu_allocator, self.allocator, self.block_tables)
         # END SOLUTION
+
+    def free(self, seq_id: Hashable) -> None:
+        """Free the blocks of ``seq_id``, on the GPU or, if it is swapped out, on the CPU."""
+        if seq_id in self.swapped_tables:
+            for block_id in reversed(self.swapped_tables.pop(seq_id).block_ids):
+                self.cpu_allocator.free(block_id)
+        else:
+            super().free(seq_id)
 
 
 class SwapPagedKVCache(CowPagedKVCache):
@@ -149,148 +189,177 @@ class SwapPagedKVCache(CowPagedKVCache):
         self.cpu_key_cache = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.cpu_value_cache = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy GPU blocks to CPU blocks, ``(gpu, cpu)`` pairs, on every layer."""
-        # BEGIN SOLUTION
+    def _copy(self, pairs, to_cpu: bool) -> None:
         if pairs:
             src, dst = (torch.tensor(ids) for ids in zip(*pairs, strict=True))
             for gpu, cpu in zip(self.key_cache + self.value_cache, self.cpu_key_cache + self.cpu_value_cache, strict=True):
-                cpu[dst] = gpu[src.to(gpu.device)].cpu()
-        # END SOLUTION
+                if to_cpu:
+                    cpu[dst] = gpu[src.to(gpu.device)].cpu()
+                else:
+                    gpu[dst.to(gpu.device)] = cpu[src].to(gpu.device)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy GPU blocks to CPU blocks, ``(gpu, cpu)`` pairs, on every layer."""
+        self._copy(pairs, to_cpu=True)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to GPU blocks, ``(cpu, gpu)`` pairs, on every layer."""
-        # BEGIN SOLUTION
-        if pairs:
-            src, dst = (torch.tensor(ids) for ids in zip(*pairs, strict=True))
-            for gpu, cpu in zip(self.key_cache + self.value_cache, self.cpu_key_cache + self.cpu_value_cache, strict=True):
-                gpu[dst.to(gpu.device)] = cpu[src].to(gpu.device)
-        # END SOLUTION
+        self._copy(pairs, to_cpu=False)
 
 
 class Scheduler:
-    """Waiting, running and swapped queues over one ``SwapBlockSpaceManager``."""
+    """Waiting, running and swapped queues of sequence groups over one ``SwapBlockSpaceManager``."""
 
-    block_manager_class = SwapBlockSpaceManager
-
-    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int = 2048, preemption_mode: str = "recompute", watermark: float = 0.01) -> None:
+    def __init__(self, block_manager: SwapBlockSpaceManager, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int = 2048,
+                 preemption_mode: str = "recompute", watermark: float = 0.01) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode: expected 'recompute' or 'swap', got {preemption_mode!r}")
-        if preemption_mode == "swap" and num_cpu_blocks < 1:
-            raise ValueError("preemption_mode='swap' needs num_cpu_blocks >= 1 (the swap space)")
-        self.block_manager = self.block_manager_class(num_gpu_blocks, block_size, num_cpu_blocks)
-        if self.block_manager.blocks_needed(max_model_len) > num_gpu_blocks:
-            raise ValueError(f"max_model_len={max_model_len} needs {self.block_manager.blocks_needed(max_model_len)} "
-                             f"blocks of {block_size}; the cache has {num_gpu_blocks}: lower max_model_len or add blocks")
-        self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
-        if self.max_num_batched_tokens < max_model_len or max_num_seqs < 1:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+        if preemption_mode == "swap" and block_manager.cpu_allocator is None:
+            raise ValueError("preemption_mode='swap' needs a CPU block pool (num_cpu_blocks >= 1)")
+        needed, total = block_manager.blocks_needed(max_model_len), block_manager.num_total_blocks
+        if needed > total:
+            raise ValueError(f"max_model_len={max_model_len} needs {needed} blocks of {block_manager.block_size}; "
+                             f"the cache has {total}: lower max_model_len or add blocks")
+        max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
+        if max_num_batched_tokens < max_model_len or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
                              f"({max_model_len}) and max_num_seqs ({max_num_seqs}) >= 1")
-        self.max_num_seqs, self.max_model_len, self.preemption_mode = max_num_seqs, max_model_len, preemption_mode
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.waiting: list[Sequence] = []  # each queue kept in arrival order
-        self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []
-        self._arrivals, self._seq_ids = itertools.count(), itertools.count()
+        self.block_manager, self.preemption_mode = block_manager, preemption_mode
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
+            max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.watermark_blocks = int(watermark * total)
+        self.waiting: list[SequenceGroup] = []  # each queue kept in arrival order
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self._arrivals = itertools.count()
         self.num_preemptions = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.peak_blocks_used = 0
 
-    def add_sequence(self, prompt_token_ids: list[int], max_tokens: int) -> Sequence:
-        """Queue a new request; refuse at once one that could never fit."""
-        if not prompt_token_ids:
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a new request; ``ValueError`` at once for one that could never be served."""
+        longest = max((len(s) for s in group.seqs), default=0)
+        if not group.seqs or min(len(s) for s in group.seqs) < 1:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        if len(prompt_token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+        if longest + group.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({longest} tokens) + max_tokens ({group.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}")
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), max_tokens, next(self._arrivals))
-        self.waiting.append(seq)
-        return seq
+        if group.max_num_running_seqs() > self.max_num_seqs:
+            raise ValueError(f"a request of {group.max_num_running_seqs()} sequences exceeds "
+                             f"max_num_seqs={self.max_num_seqs}")
+        worst = group.max_num_running_seqs() * self.block_manager.blocks_needed(longest + group.max_tokens)
+        if worst > self.block_manager.num_total_blocks:
+            raise ValueError(f"a request of {group.max_num_running_seqs()} sequences may need {worst} blocks; "
+                             f"the cache has {self.block_manager.num_total_blocks}")
+        group.arrival = next(self._arrivals)
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return any(not g.is_finished() for g in (*self.waiting, *self.running, *self.swapped))
 
-    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
-        # BEGIN SOLUTION swap the victim out if possible in swap mode, else free it for recompute
-        self.running.remove(victim)
+    def abort(self, request_id: Hashable) -> bool:
+        """Drop a request wherever it is, its blocks freed; False if it is not here."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+                            self.block_manager.free(seq.seq_id)
+                        seq.status = SequenceStatus.FINISHED
+                    return True
+        return False
+
+    def finish(self, seq: Sequence) -> None:
+        """A running sequence is done: give its blocks back (its group leaves when all are done)."""
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def _num_running_seqs(self) -> int:
+        return sum(g.max_num_running_seqs() for g in self.running)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.running.remove(group)
         self.num_preemptions += 1
-        out.preempted.append(victim)
-        manager = self.block_manager
-        if self.preemption_mode == "swap" and manager.can_swap_out([victim.seq_id]):
-            pairs = manager.swap_out([victim.seq_id])
+        out.preempted.append(group)
+        manager, ids = self.block_manager, [s.seq_id for s in group.seqs_with(SequenceStatus.RUNNING)]
+        # BEGIN SOLUTION swap the whole group out if the mode and the CPU pool allow, else free it for recompute
+        if self.preemption_mode == "swap" and manager.can_swap_out(ids):
+            pairs = manager.swap_out(ids)
             out.blocks_to_swap_out += pairs
             self.num_swapped_out_blocks += len(pairs)
-            victim.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, victim, key=Sequence.order)
+            for seq in group.seqs_with(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=_arrival)
         else:  # recompute: the K/V are dropped and computed again at readmission
-            manager.free(victim.seq_id)
-            victim.num_computed_tokens = 0
-            victim.status = SequenceStatus.WAITING
-            bisect.insort(self.waiting, victim, key=Sequence.order)
+            for seq in group.seqs_with(SequenceStatus.RUNNING):
+                manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, group, key=_arrival)
         # END SOLUTION
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step: decodes (preempting the newest when blocks run out), swap-ins, admissions."""
         out, manager = SchedulerOutput(), self.block_manager
-        # BEGIN SOLUTION decode the running (oldest first), then swap in, then admit, as the docstring says
+        self.running = [g for g in self.running if not g.is_finished()]
+        # BEGIN SOLUTION decode the running groups (oldest first), then swap in, then admit, as the docstring says
         i = 0
-        while i < len(self.running):  # 1. decode, preempting the newest when a block is missing
-            seq = self.running[i]
-            while not manager.can_append_slot(seq.seq_id):
+        while i < len(self.running):  # 1. decode, preempting the newest group when blocks are missing
+            group = self.running[i]
+            seqs = group.seqs_with(SequenceStatus.RUNNING)
+            while not manager.can_append_slots([s.seq_id for s in seqs]):
                 victim = self.running[-1]
                 self._preempt(victim, out)
-                if victim is seq:
+                if victim is group:
                     break
             else:
-                manager.append_slot(seq.seq_id)
-                out.scheduled.append((seq, 1))
+                for seq in seqs:
+                    manager.append_slot(seq.seq_id)
+                    out.scheduled.append((seq, 1))
+                out.scheduled_groups.append(group)
                 i += 1
         budget = self.max_num_batched_tokens - len(out.scheduled)
-        idle = not self.running  # nothing can free blocks: ignore the watermark
-        while not out.preempted and self.swapped and budget >= 1 and len(self.running) < self.max_num_seqs:
-            seq = self.swapped[0]  # 2. swap in, oldest first
-            if not manager.can_swap_in([seq.seq_id], 0 if idle else self.watermark_blocks):
+        watermark = self.watermark_blocks if self.running else 0  # nothing can free blocks: no watermark
+        while not out.preempted and self.swapped:  # 2. swap in, oldest first
+            group = self.swapped[0]
+            seqs = group.seqs_with(SequenceStatus.SWAPPED)
+            ids = [s.seq_id for s in seqs]
+            if (len(seqs) > budget or self._num_running_seqs() + group.max_num_running_seqs() > self.max_num_seqs
+                    or not manager.can_swap_in(ids, watermark)):
                 break
-            pairs = manager.swap_in([seq.seq_id])
+            pairs = manager.swap_in(ids)
             out.blocks_to_swap_in += pairs
             self.num_swapped_in_blocks += len(pairs)
             self.swapped.pop(0)
-            manager.append_slot(seq.seq_id)
-            self._run(seq, 1, out)
-            budget -= 1
-        while not out.preempted and not self.swapped and self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]  # 3. admit, oldest first
-            needed = manager.blocks_needed(len(seq))
-            watermark = 0 if not self.running else self.watermark_blocks
-            if len(seq) > budget or needed + watermark > manager.num_free_blocks:
+            for seq in seqs:
+                manager.append_slot(seq.seq_id)
+            self._run(group, [(s, 1) for s in seqs], out)
+            budget -= len(seqs)
+            watermark = self.watermark_blocks
+        while not out.preempted and not self.swapped and self.waiting:  # 3. admit, oldest first
+            group = self.waiting[0]
+            seqs = group.seqs_with(SequenceStatus.WAITING)
+            needed = sum(manager.blocks_needed(len(s)) for s in seqs)
+            if (sum(len(s) for s in seqs) > budget or needed + watermark > manager.num_free_blocks
+                    or self._num_running_seqs() + group.max_num_running_seqs() > self.max_num_seqs):
                 break
-            new_tokens = self._allocate(seq)
+            for seq in seqs:
+                seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids)
             self.waiting.pop(0)
-            self._run(seq, new_tokens, out)
-            budget -= new_tokens
+            self._run(group, [(s, len(s) - s.num_computed_tokens) for s in seqs], out)
+            budget -= sum(n for _, n in out.scheduled[-len(seqs):])
+            watermark = self.watermark_blocks
         # END SOLUTION
         out.blocks_to_copy = manager.take_copies()
         self.peak_blocks_used = max(self.peak_blocks_used, manager.num_total_blocks - manager.num_free_blocks)
         return out
 
-    def _allocate(self, seq: Sequence) -> int:
-        """Give an admitted sequence its blocks; return how many of its tokens must be computed."""
-        self.block_manager.allocate(seq.seq_id, len(seq))
-        return len(seq)
-
-    def _run(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=Sequence.order)
-        out.scheduled.append((seq, num_new_tokens))
-
-    def append_token(self, seq: Sequence, token_id: int) -> None:
-        """Record a sampled token: the K/V of every token before it are now in the cache."""
-        seq.num_computed_tokens = len(seq)
-        seq.output_token_ids.append(token_id)
-
-    def finish(self, seq: Sequence) -> None:
-        """A sequence is done: give its blocks back."""
-        self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
-        seq.status = SequenceStatus.FINISHED
+    def _run(self, group: SequenceGroup, scheduled: list[tuple[Sequence, int]], out: SchedulerOutput) -> None:
+        for seq, _ in scheduled:
+            seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, group, key=_arrival)
+        out.scheduled += scheduled
+        out.scheduled_groups.append(group)

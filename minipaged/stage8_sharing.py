@@ -2,49 +2,35 @@
 
 Stage 3 made sharing possible: ``fork`` gives a new sequence the blocks of another, and
 copy-on-write copies only a shared, partly full last block when someone writes to it.
-This stage puts it to work in the two decoding methods that need many sequences per
-request.
+Stage 6 schedules sequence groups, so the sequences of one request run, move and are
+preempted together. This stage puts both to work with one new part: an engine whose
+output processing forks and frees the sequences of a group. Nothing below it changes.
 
 **Parallel sampling** (``SamplingParams(n=k)``): the prompt is prefilled once, as one
-sequence. From its logits, k first tokens are drawn — each sample has its own generator,
-seeded ``seed + i`` — and the sequence is forked k - 1 times. The k samples share every
-prompt block; each copies only the last, partial one, on its first write. With
-``LLM(share_blocks=False)`` each sample is an independent sequence that prefills and holds
-its own copy of the prompt: the same samples, in more memory.
+sequence. From its logits, k first tokens are drawn — sample ``i`` with its own
+generator, seeded ``seed + i``, exactly as stage 7's engine draws for k independent
+requests seeded ``seed + i`` — and the sequence is forked k - 1 times. The k samples share
+every prompt block; each copies only the last, partial one, on its first write.
 
-**Beam search** (``LLM.beam_search``): ``beam_width`` beams advance together. Each step,
-every (beam, next token) candidate is scored by the beam's log-probability plus the
-token's; the best ``2 * beam_width`` are considered in order: a candidate that ends (an
-end token, or the length limit) among the first ``beam_width`` becomes a finished
-hypothesis, scored ``logprob / generated_len ** length_penalty``; the best ``beam_width``
-others become the next beams. A beam kept twice is forked; a beam not kept is freed, and
-its blocks return to the pool once no other beam shares them. Search stops as
-transformers' ``generate(num_beams=...)`` does — so the two agree token for token.
+**Beam search** (``LLM.beam_search``): ``beam_width`` beams advance together, in one
+group. Each step, every (beam, next token) candidate is scored by the beam's
+log-probability plus the token's; the best ``2 * beam_width`` are considered in order: a
+candidate that ends (an end token, or the length limit) among the first ``beam_width``
+becomes a finished hypothesis, scored ``logprob / generated_len ** length_penalty``; the
+best ``beam_width`` others become the next beams. A beam kept twice is forked; a beam not
+kept is freed, and its blocks return to the pool once no other beam shares them. Search
+stops as transformers' ``generate(num_beams=...)`` does — so the two agree token for token.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.stage6_scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
+from minipaged.stage6_scheduler import SequenceStatus
 from minipaged.stage7_engine import LLM as EngineLLM
-from minipaged.stage7_engine import SamplingParams, _Request, sample
-
-
-class ForkingScheduler(Scheduler):
-    """A scheduler that can fork a running sequence into a new one sharing its blocks."""
-
-    def fork_sequence(self, parent: Sequence) -> Sequence:
-        # BEGIN SOLUTION a new sequence with the parent's tokens, its blocks shared, running beside it
-        child = Sequence(next(self._seq_ids), list(parent.prompt_token_ids), parent.max_tokens, parent.arrival,
-                         list(parent.output_token_ids), SequenceStatus.RUNNING, parent.num_computed_tokens)
-        self.block_manager.fork(parent.seq_id, child.seq_id)
-        bisect.insort(self.running, child, key=Sequence.order)
-        return child
-        # END SOLUTION
+from minipaged.stage7_engine import LLMEngine, Request, SampledSequence, SamplingParams, _check_int, sample
 
 
 @dataclass
@@ -58,8 +44,8 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1 or self.max_tokens < 1:
-            raise ValueError(f"beam_width and max_tokens must be >= 1, got {self.beam_width}, {self.max_tokens}")
+        _check_int("BeamSearchParams.beam_width", self.beam_width, 1)
+        _check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 
@@ -79,124 +65,134 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence] = field(default_factory=list)  # best first
 
 
+@dataclass(eq=False)
+class BeamRequest(Request):
+    """A beam search: its running beams best first, and the finished hypotheses (score, logprob, tokens)."""
+
+    beam: BeamSearchParams = field(default_factory=BeamSearchParams)
+    beams: list[SampledSequence] = field(default_factory=list)
+    hypotheses: list[tuple[float, float, list[int]]] = field(default_factory=list)
+    improvable: bool = True
+
+
+class SharingEngine(LLMEngine):
+    """Stage 7's engine whose requests fork: ``n`` samples, and beams, share their blocks."""
+
+    def make_request(self, request_id, text, ids, params: SamplingParams, seed: int) -> Request:
+        """One sequence prefills the prompt; the ``n - 1`` others are forked from it after its first step."""
+        request = Request(request_id, [], params.max_tokens, width=params.n, prompt=text, params=params, seed=seed)
+        request.seqs = [self.new_sequence(request, ids, 0)]
+        return request
+
+    def add_beam_request(self, request_id, prompt, params: BeamSearchParams) -> BeamRequest:
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"expected BeamSearchParams, got {type(params).__name__}")
+        text, ids = self.check(request_id, prompt, params)
+        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+        request = BeamRequest(request_id, [SampledSequence(ids)], params.max_tokens, width=params.beam_width,
+                              prompt=text, params=sampling, beam=params)
+        request.beams = list(request.seqs)
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        return request
+
+    def fork(self, request: Request, parent: SampledSequence, index: int) -> SampledSequence:
+        """A new running sequence of ``request`` with the parent's tokens, sharing its blocks."""
+        # BEGIN SOLUTION copy the tokens and sampling state, fork the block table, join the group
+        child = self.new_sequence(request, parent.prompt_token_ids, index)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.status, child.num_computed_tokens = SequenceStatus.RUNNING, parent.num_computed_tokens
+        child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)
+        self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)
+        request.seqs.append(child)
+        return child
+        # END SOLUTION
+
+    def process_outputs(self, request, seqs, tokens, chosen, logprobs, logits) -> None:
+        if isinstance(request, BeamRequest):
+            return self.advance_beams(request, seqs, logprobs)
+        # BEGIN SOLUTION after the prompt's step, fork n - 1 samples; each draws its first token from the same logits
+        if len(request.seqs) < request.width:
+            parent, params = seqs[0], request.params
+            for index in range(1, request.width):  # fork first: the samples share the prompt, no new token
+                child = self.fork(request, parent, index)
+                draw = sample(logits[0], params, child.generator) if params.temperature > 0 else tokens[0]
+                self.append_token(request, child, draw, float(logprobs[0, draw]), logprobs[0])
+        # END SOLUTION
+        super().process_outputs(request, seqs, tokens, chosen, logprobs, logits)
+
+    def advance_beams(self, request: BeamRequest, seqs: list[SampledSequence], logprobs: torch.Tensor) -> None:
+        """Score the (beam, token) candidates, finish the ending ones, fork or free the beams."""
+        p, width = request.beam, request.beam.beam_width
+        beams = request.beams
+        rows = logprobs[[seqs.index(b) for b in beams]]  # (beams, vocab), best beam first
+        scores = torch.tensor([b.cumulative_logprob for b in beams])
+        generated = len(beams[0].output_token_ids) + 1
+        # BEGIN SOLUTION the best 2 * width candidates; ending ones become hypotheses, the best width others the beams
+        values, indices = torch.topk((rows + scores[:, None]).flatten(), min(2 * width, rows.numel()))
+        candidates = []  # (value, beam, token, ends)
+        for value, index in zip(values.tolist(), indices.tolist(), strict=True):
+            beam, token = divmod(index, rows.shape[1])
+            ends = (not p.ignore_eos and token in self.eos_token_ids) or generated >= p.max_tokens
+            candidates.append((value, beam, token, ends))
+        heuristic_ok = request.improvable and not (len(request.hypotheses) == width and p.early_stopping is True)
+        for rank, (value, beam, token, ends) in enumerate(candidates):
+            if ends and rank < width and heuristic_ok:
+                tokens = beams[beam].output_token_ids + [token]
+                request.hypotheses.append((value / generated**p.length_penalty, value, tokens))
+        request.hypotheses = sorted(request.hypotheses, key=lambda h: -h[0])[:width]
+        keep = [(value, beam, token) for value, beam, token, ends in candidates if not ends][:width]
+        done = not keep
+        if keep:
+            best_possible = keep[0][0] / ((p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0
+                                           else generated) ** p.length_penalty)
+            if len(request.hypotheses) == width and best_possible <= request.hypotheses[-1][0]:
+                request.improvable = False
+            done = not request.improvable or (len(request.hypotheses) == width and p.early_stopping is True)
+        # END SOLUTION
+        if done:
+            keep = []
+        request.beams = self.replace_beams(request, beams, keep)
+
+    def replace_beams(self, request: BeamRequest, beams, keep) -> list[SampledSequence]:
+        """The kept candidates become the beams: a beam kept twice is forked, a beam not kept is freed."""
+        kept_by: dict[int, list[int]] = {}
+        for k, (_, beam, _) in enumerate(keep):
+            kept_by.setdefault(beam, []).append(k)
+        new_beams: list[SampledSequence | None] = [None] * len(keep)
+        for beam, ks in kept_by.items():
+            new_beams[ks[0]] = beams[beam]
+            for k in ks[1:]:  # fork before anyone appends: the forks share the parent's blocks
+                new_beams[k] = self.fork(request, beams[beam], k)
+        for index, beam in enumerate(beams):
+            if index not in kept_by:
+                beam.finish_reason = "length"
+                self.scheduler.finish(beam)  # dropped: its references go, shared blocks stay
+        for seq, (value, _, token) in zip(new_beams, keep, strict=True):
+            seq.append_token(token)
+            seq.cumulative_logprob = value
+        return new_beams
+
+
 class LLM(EngineLLM):
     """Stage 7's engine with parallel sampling (``n > 1``) and beam search on shared blocks."""
 
-    scheduler_class = ForkingScheduler
-
-    def __init__(self, model: str = "tiny", *, share_blocks: bool = True, **kwargs) -> None:
-        super().__init__(model, **kwargs)
-        self.share_blocks = share_blocks
-
-    def _check_n(self, params: SamplingParams) -> None:
-        pass  # any n >= 1 (SamplingParams checks it)
-
-    def _submit(self, request: _Request) -> None:
-        copies = 1 if self.share_blocks else request.params.n  # unshared: every sample prefills its own copy
-        for _ in range(copies):
-            self._track(request, self.scheduler.add_sequence(request.prompt_token_ids, request.params.max_tokens))
-
-    def _accept(self, request, seq, token, logprob, logprobs, logits) -> int:
-        # BEGIN SOLUTION on the prompt's first token, fork n - 1 samples and draw their tokens from the same logits
-        if self.share_blocks and len(request.seqs) < request.params.n:
-            children = [self.scheduler.fork_sequence(seq) for _ in range(request.params.n - 1)]
-            finished = 0
-            for child in children:  # fork first: every child shares the prompt, none of the new tokens
-                self._track(request, child)
-                draw = sample(logits, request.params, request.generators[child.seq_id]) \
-                    if request.params.temperature > 0 else token
-                finished += super()._accept(request, child, draw, float(logprobs[draw]), logprobs, logits)
-            return finished + super()._accept(request, seq, token, logprob, logprobs, logits)
-        return super()._accept(request, seq, token, logprob, logprobs, logits)
-        # END SOLUTION
+    engine_class = SharingEngine
 
     def beam_search(self, prompts, params: BeamSearchParams | None = None) -> list[BeamSearchOutput]:
-        """Beam search for each prompt (one after the other); each output's beams best first."""
+        """Beam search for each prompt, served together; each output's beams best first."""
         params = params or BeamSearchParams()
-        prepared = [self._prepare(p, SamplingParams(max_tokens=params.max_tokens)) for p in
-                    ([prompts] if isinstance(prompts, str | dict) else prompts)]
-        blocks = self.scheduler.block_manager.blocks_needed
-        for request in prepared:
-            need = params.beam_width * blocks(len(request.prompt_token_ids) + params.max_tokens)
-            if need > self.scheduler.block_manager.num_total_blocks:
-                raise ValueError(f"beam search of width {params.beam_width} may need {need} blocks; the cache "
-                                 f"has {self.scheduler.block_manager.num_total_blocks}")
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("beam_search needs an idle engine")
-        return [self._beam_search_one(request, params) for request in prepared]
-
-    def _logits(self, beams: list[Sequence], prefill: bool) -> torch.Tensor:
-        """Run the model on the beams' new tokens: ``(len(beams), vocab)`` log-probabilities."""
-        out = SchedulerOutput(scheduled=[(b, len(b) if prefill else 1) for b in beams],
-                              blocks_to_copy=self.scheduler.block_manager.take_copies())
-        return torch.log_softmax(self.execute_model(out), dim=-1)
-
-    def _beam_search_one(self, request: _Request, params: BeamSearchParams) -> BeamSearchOutput:
-        scheduler, manager = self.scheduler, self.scheduler.block_manager
-        prompt_len, width = len(request.prompt_token_ids), params.beam_width
-        first = scheduler.add_sequence(request.prompt_token_ids, params.max_tokens)
-        scheduler.waiting.remove(first)
-        manager.allocate(first.seq_id, prompt_len)
-        first.status = SequenceStatus.RUNNING
-        scheduler.running.append(first)
-        beams, scores = [first], [0.0]  # running beams, best first, and their cumulative log-probs
-        finished: list[tuple[float, float, list[int]]] = []  # (score, logprob, tokens), best first
-        improvable, step = True, 0
-        # BEGIN SOLUTION score (beam, token) candidates, finish the ending ones, fork/free the rest
-        while True:
-            logprobs = self._logits(beams, prefill=step == 0)  # (beams, vocab)
-            total = (logprobs + torch.tensor(scores)[:, None]).flatten()
-            values, indices = torch.topk(total, min(2 * width, total.numel()))
-            generated = step + 1
-            candidates, hits = [], []
-            for value, index in zip(values.tolist(), indices.tolist(), strict=True):
-                beam, token = divmod(index, logprobs.shape[1])
-                ends = (not params.ignore_eos and token in self.eos_token_ids) or generated >= params.max_tokens
-                candidates.append((value, beam, token))
-                hits.append(ends)
-            heuristic_ok = improvable and not (len(finished) == width and params.early_stopping is True)
-            for rank, ((value, beam, token), ends) in enumerate(zip(candidates, hits, strict=True)):
-                if ends and rank < width and heuristic_ok:
-                    tokens = beams[beam].output_token_ids + [token]
-                    finished.append((value / generated**params.length_penalty, value, tokens))
-            finished = sorted(finished, key=lambda f: -f[0])[:width]
-            keep = [c for c, ends in zip(candidates, hits, strict=True) if not ends][:width]
-            if all(hits) or not keep:
-                break
-            beams, scores = self._advance(beams, keep)
-            step += 1
-            best_possible = scores[0] / ((params.max_tokens if params.early_stopping == "never"
-                                          and params.length_penalty > 0 else generated) ** params.length_penalty)
-            if len(finished) == width and best_possible <= finished[-1][0]:
-                improvable = False
-            if not improvable or (len(finished) == width and params.early_stopping is True):
-                break
-        # END SOLUTION
-        for beam in list(beams):
-            scheduler.finish(beam)
-        results = [BeamSearchSequence(tokens, logprob, score, self._text(tokens)) for score, logprob, tokens in finished]
-        return BeamSearchOutput(request.prompt, request.prompt_token_ids, results)
-
-    def _advance(self, beams: list[Sequence], keep: list[tuple[float, int, int]]) -> tuple[list[Sequence], list[float]]:
-        """The kept candidates become the beams: fork a beam kept twice, free a beam not kept."""
-        scheduler, manager = self.scheduler, self.scheduler.block_manager
-        children: dict[int, list[int]] = {}
-        for k, (_, beam, _) in enumerate(keep):
-            children.setdefault(beam, []).append(k)
-        new_beams: list[Sequence | None] = [None] * len(keep)
-        for beam, ks in children.items():
-            new_beams[ks[0]] = beams[beam]
-            for k in ks[1:]:  # fork before anyone appends: the forks share the parent's blocks
-                new_beams[k] = scheduler.fork_sequence(beams[beam])
-        for beam_index, beam in enumerate(beams):
-            if beam_index not in children:
-                scheduler.finish(beam)  # dropped: its references go, shared blocks stay
-        for seq, (_, _, token) in zip(new_beams, keep, strict=True):
-            scheduler.append_token(seq, token)
-            manager.append_slot(seq.seq_id)  # copy-on-write if the last block is shared
-        self.scheduler.peak_blocks_used = max(self.scheduler.peak_blocks_used,
-                                              manager.num_total_blocks - manager.num_free_blocks)
-        return new_beams, [value for value, _, _ in keep]
-
-    def _text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        requests = []
+        try:
+            for prompt in prompts:
+                requests.append(self.engine.add_beam_request(self.next_request_id(), prompt, params))
+            while self.engine.has_unfinished_requests() and not all(r.is_finished() for r in requests):
+                self.engine.step()
+        except BaseException:
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
+        return [BeamSearchOutput(r.prompt, r.seqs[0].prompt_token_ids[:],
+                                 [BeamSearchSequence(tokens, logprob, score, self.engine.text(tokens))
+                                  for score, logprob, tokens in r.hypotheses]) for r in requests]

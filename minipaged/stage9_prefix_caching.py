@@ -3,221 +3,208 @@
 Requests often begin with the same tokens — a system prompt, the examples of a few-shot
 prompt, the history of a conversation. Their K/V are the same too, so they could be
 computed once. Stage 3 shared blocks *within* a request (forks); this stage shares them
-*across* requests, found by content:
+*across* requests, found by content. It is one component, the ``PrefixCachingAllocator``,
+which wraps stage 3's reference-counted allocator through its public methods, and a
+block manager that is given it:
 
-* Every **full** block gets a hash of (its parent block's hash, its token ids) — so a
-  block's hash names the whole prefix up to its end, not just its own tokens. A hash
-  table maps hashes to physical blocks.
-* A new request walks its prompt block by block; while the hash is in the table, it takes
-  that block (one more reference) instead of a new one. The model then computes only the
-  rest of the prompt: a chunk of queries attending over the cached context (stage 4's
-  variable-length attention). At least the last token is always computed, for its logits.
-* A block whose last reference goes **keeps its contents and its hash**: it waits in an
-  evictor, still findable, until a new block is needed and none is free; then the least
-  recently freed goes first — and since a finished sequence frees its last blocks first,
-  a shared prefix outlives the tails that hung off it.
-* A hit is checked, not trusted: the cached block's own token ids and its parent block
-  must match, so a hash collision can never hand back wrong K/V.
+* Every **full** block of a prompt is named by a collision-resistant hash (SHA-256) of
+  its parent block's hash and its own token ids — so a block's hash names the whole
+  prefix up to its end, as in vLLM. The allocator maps hashes to physical blocks.
+* When a sequence is allocated, the manager walks its tokens block by block; while the
+  hash is cached, it takes that block (one more reference) instead of a new one. Only the
+  rest of the prompt is computed: a chunk of queries attending over the cached context
+  (stage 4's variable-length attention). The block holding the last token is never
+  taken from the cache, since its logits are needed. Every path that allocates goes
+  through here: new prompts, recomputed ones, parallel samples and beams.
+* A block becomes findable once its K/V are surely written: when its sequence appends
+  its next token, after the step that computed it succeeded.
+* A cached block whose last reference goes **keeps its contents and its hash**: it waits
+  in an evictor, still findable, until a block is needed and none is free; then the least
+  recently freed goes first — and since a sequence frees its last blocks first, a shared
+  prefix outlives the tails that hung off it.
 
-Checked against the engine without caching: same outputs on shared system prompts,
-few-shot prefixes, unrelated prompts, and under memory pressure with evictions and
-preemptions — while computing fewer prefill tokens.
+Checked against the engine of stage 8 without caching: same outputs on shared system
+prompts, few-shot prefixes, unrelated prompts, and under memory pressure with evictions
+and preemptions — while computing fewer prefill tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage2_block_table import BlockTable
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import SchedulerOutput, Sequence, SwapBlockSpaceManager
+from minipaged.stage6_scheduler import SwapBlockSpaceManager
 from minipaged.stage8_sharing import LLM as SharingLLM
-from minipaged.stage8_sharing import ForkingScheduler
+
+ROOT = bytes(32)  # the parent hash of a first block
 
 
-def block_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    """The name of a full block: its parent's hash and its own token ids, hashed together."""
-    return hash((parent_hash, tokens))
+def block_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """The name of a full block: SHA-256 of its parent's hash and its own token ids."""
+    # BEGIN SOLUTION hash the parent's 32 bytes, then the token ids as 8-byte integers
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    # END SOLUTION
 
 
-class CachingBlockAllocator(RefCountedBlockAllocator):
-    """Blocks with reference counts, whose contents can outlive their last reference."""
+class PrefixCachingAllocator:
+    """A reference-counted allocator whose full blocks can be found again by hash.
+
+    Stage 3's interface (``allocate``, ``free``, ``incref``, ``ref_count``, ``is_free``,
+    ``num_free_blocks``, ``num_total_blocks``) plus ``lookup`` and ``cache``. A cached
+    block nobody holds is free (it counts in ``num_free_blocks``) yet keeps its K/V: the
+    wrapped allocator still holds it, with one reference, until it is evicted.
+    """
 
     def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self.evictor: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self.table: dict[int, int] = {}  # hash -> block
-        self.hash_of: dict[int, int] = {}  # block -> hash
-        self.tokens_of: dict[int, tuple[int, ...]] = {}  # block -> its token ids
-        self.parent_of: dict[int, int | None] = {}  # block -> the block before it in its sequence
-        self.evictions = 0
+        self.inner = RefCountedBlockAllocator(num_blocks)
+        self.cached: dict[bytes, int] = {}  # hash -> block
+        self.hash_of: dict[int, bytes] = {}  # block -> hash
+        self.evictor: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
+        self.num_queries = self.num_hits = self.num_evictions = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.inner.num_total_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return super().num_free_blocks + len(self.evictor)
+        return self.inner.num_free_blocks + len(self.evictor)
 
-    def allocate_blocks(self, num_blocks: int) -> list[int]:
-        # BEGIN SOLUTION free blocks first; then evict the least recently used cached ones
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self.evictor or self.inner.is_free(block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        return 0 if block_id in self.evictor else self.inner.ref_count(block_id)
+
+    def incref(self, block_id: int) -> None:
+        if block_id in self.evictor:
+            raise ValueError(f"block {block_id} is free; only a block in use can be shared")
+        self.inner.incref(block_id)
+
+    def allocate(self, num_blocks: int = 1) -> list[int]:
+        """Free blocks first; then the least recently used cached ones, forgotten. All or nothing."""
         if num_blocks > self.num_free_blocks:
-            raise OutOfBlocksError(f"asked for {num_blocks} block(s) but only {self.num_free_blocks} of "
-                                   f"{self.num_total_blocks} are free")
-        fresh = min(num_blocks, super().num_free_blocks)
-        ids = super().allocate_blocks(fresh)
+            raise OutOfBlocksError(num_blocks, self.num_free_blocks)
+        ids = self.inner.allocate(min(num_blocks, self.inner.num_free_blocks))
+        # BEGIN SOLUTION evict from the old end; an evicted block keeps its one reference, now its new owner's
         while len(ids) < num_blocks:
             block_id, _ = self.evictor.popitem(last=False)
-            self.forget(block_id)
-            self.evictions += 1
-            self._is_free[block_id], self._ref_counts[block_id] = False, 1
+            del self.cached[self.hash_of.pop(block_id)]
+            self.num_evictions += 1
             ids.append(block_id)
         return ids
         # END SOLUTION
 
     def free(self, block_id: int) -> None:
-        # BEGIN SOLUTION at the last reference, a cached block goes to the evictor instead of the free stack
-        if block_id in self.hash_of and self._ref_counts[block_id] == 1:
-            self._ref_counts[block_id] = 0
-            self._is_free[block_id] = True
-            self.evictor[block_id] = None
-            return
-        super().free(block_id)
+        """Drop a reference; at the last one, a cached block waits in the evictor instead of the pool."""
+        if block_id in self.evictor:
+            raise ValueError(f"block {block_id} is already free (double free)")
+        # BEGIN SOLUTION
+        if block_id in self.hash_of and self.inner.ref_count(block_id) == 1:
+            self.evictor[block_id] = None  # the most recently used end
+        else:
+            self.inner.free(block_id)
         # END SOLUTION
 
-    def forget(self, block_id: int) -> None:
-        """Drop a block's hash (it is being reused for other tokens)."""
-        digest = self.hash_of.pop(block_id, None)
-        if digest is not None and self.table.get(digest) == block_id:
-            del self.table[digest]
-        self.tokens_of.pop(block_id, None)
-        self.parent_of.pop(block_id, None)
-
-    def lookup(self, digest: int, tokens: tuple[int, ...], parent: int | None) -> int | None:
-        """The cached block for ``digest``, if its tokens and parent really match; takes a reference."""
-        # BEGIN SOLUTION find, verify (a collision must not pass), then revive or share the block
-        block_id = self.table.get(digest)
-        if block_id is None or self.tokens_of[block_id] != tokens or self.parent_of[block_id] != parent:
+    def lookup(self, digest: bytes) -> int | None:
+        """The cached block named ``digest``, with one more reference for the caller; None if there is none."""
+        self.num_queries += 1
+        # BEGIN SOLUTION revive it from the evictor (its reference becomes the caller's), or share it
+        block_id = self.cached.get(digest)
+        if block_id is None:
             return None
+        self.num_hits += 1
         if block_id in self.evictor:
             del self.evictor[block_id]
-            self._is_free[block_id], self._ref_counts[block_id] = False, 1
         else:
-            self.incref(block_id)
+            self.inner.incref(block_id)
         return block_id
         # END SOLUTION
 
-    def register(self, block_id: int, digest: int, tokens: tuple[int, ...], parent: int | None) -> None:
-        """Make a full, computed block findable by its hash (the first block with a hash keeps it)."""
-        if digest in self.table or block_id in self.hash_of:
-            return
-        self.table[digest], self.hash_of[block_id] = block_id, digest
-        self.tokens_of[block_id], self.parent_of[block_id] = tokens, parent
+    def cache(self, block_id: int, digest: bytes) -> None:
+        """Make a full block, its K/V computed, findable by ``digest`` (the first block named so keeps it)."""
+        if digest not in self.cached and block_id not in self.hash_of:
+            self.cached[digest], self.hash_of[block_id] = block_id, digest
 
 
 class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
-    """Stage 6's manager whose full blocks are found again by the hash of their prefix."""
+    """Stage 6's manager over a ``PrefixCachingAllocator``: prompts start from their cached prefix."""
 
-    allocator_class = CachingBlockAllocator
+    def __init__(self, allocator: PrefixCachingAllocator, block_size: int = 16,
+                 cpu_allocator: RefCountedBlockAllocator | None = None) -> None:
+        super().__init__(allocator, block_size, cpu_allocator)
+        self.uncached: dict[Hashable, tuple[list[int], int, bytes]] = {}  # seq -> (tokens, blocks cached, last hash)
 
-    def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0) -> None:
-        super().__init__(num_blocks, block_size, num_cpu_blocks)
-        self._hashed: dict[Hashable, tuple[int, int | None]] = {}  # seq -> (blocks hashed, last hash)
-        self.hit_blocks = self.looked_up_blocks = 0
-
-    @property
-    def evictions(self) -> int:
-        return self.allocator.evictions
-
-    def allocate_cached(self, seq_id: Hashable, token_ids: list[int]) -> int:
-        """Allocate for a new sequence, reusing cached blocks of its prefix; return the tokens reused.
-
-        Like ``allocate``: a refused call (``OutOfBlocksError``) changes nothing.
-        """
-        if seq_id in self.block_tables or not token_ids:
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Take the cached blocks of the prompt's prefix, new ones for the rest; return the tokens reused."""
+        if seq_id in self.block_tables or len(token_ids) < 1:
             raise ValueError(f"sequence {seq_id!r} already has a block table, or has no tokens")
-        size, allocator = self.block_size, self.allocator
-        reused, digest, parent = [], None, None
-        # BEGIN SOLUTION follow the chain of hashes over the full blocks (never the last token's block)
+        size, needed, hits, digest = self.block_size, self.blocks_needed(len(token_ids)), [], ROOT
+        if needed > self.num_total_blocks:
+            raise ValueError(f"sequence {seq_id!r} needs {needed} blocks; the cache has {self.num_total_blocks}")
+        # BEGIN SOLUTION follow the chain of hashes over the full blocks before the last token's block
         for start in range(0, (len(token_ids) - 1) // size * size, size):
-            tokens = tuple(token_ids[start : start + size])
-            candidate = block_hash(digest, tokens)
-            self.looked_up_blocks += 1
-            block_id = allocator.lookup(candidate, tokens, parent)
+            candidate = block_hash(digest, token_ids[start:start + size])
+            block_id = self.allocator.lookup(candidate)
             if block_id is None:
                 break
-            reused.append(block_id)
-            digest, parent = candidate, block_id
+            hits.append(block_id)
+            digest = candidate
         # END SOLUTION
         try:
-            fresh = allocator.allocate_blocks(self.blocks_needed(len(token_ids)) - len(reused))
+            fresh = self.allocator.allocate(needed - len(hits))
         except OutOfBlocksError:
-            for block_id in reused:  # give back what the lookups took
-                allocator.free(block_id)
+            for block_id in hits:  # a refused call changes nothing: give back what the lookups took
+                self.allocator.free(block_id)
             raise
-        self.hit_blocks += len(reused)
-        self.block_tables[seq_id] = BlockTable(reused + fresh, len(token_ids))
-        self._hashed[seq_id] = (len(reused), digest)
-        return len(reused) * size
+        self.block_tables[seq_id] = BlockTable(hits + fresh, len(token_ids))
+        self.uncached[seq_id] = (list(token_ids), len(hits), digest)
+        return len(hits) * size
 
-    def commit(self, seq_id: Hashable, token_ids: list[int], num_computed: int) -> None:
-        """Hash the blocks of ``seq_id`` that are now full and computed, so others can find them."""
-        table, size = self.block_tables[seq_id], self.block_size
-        done, digest = self._hashed.get(seq_id, (0, None))
-        parent = table.block_ids[done - 1] if done else None
-        while (done + 1) * size <= num_computed:
-            tokens = tuple(token_ids[done * size : (done + 1) * size])
-            digest = block_hash(digest, tokens)
-            block_id = table.block_ids[done]
-            self.allocator.register(block_id, digest, tokens, parent)
-            parent, done = block_id, done + 1
-        self._hashed[seq_id] = (done, digest)
+    def append_slot(self, seq_id: Hashable) -> int:
+        """As before; first, the full blocks of the prompt, computed by now, become findable."""
+        if seq_id in self.uncached:
+            tokens, done, digest = self.uncached.pop(seq_id)
+            block_ids, size = self.table(seq_id).block_ids, self.block_size
+            for i in range(done, len(tokens) // size):
+                digest = block_hash(digest, tokens[i * size:(i + 1) * size])
+                self.allocator.cache(block_ids[i], digest)
+        return super().append_slot(seq_id)
 
-    def free(self, seq_id: Hashable) -> None:
-        """Free a sequence's blocks, its last blocks first: they are evicted before its prefix."""
-        table = self._table(seq_id)
-        for block_id in reversed(table.block_ids):
-            self.allocator.free(block_id)
-        del self.block_tables[seq_id]
-        self._hashed.pop(seq_id, None)
-
-    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable):
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> BlockTable:
         child = super().fork(parent_seq_id, child_seq_id)
-        self._hashed[child_seq_id] = self._hashed.get(parent_seq_id, (0, None))
+        if parent_seq_id in self.uncached:
+            self.uncached[child_seq_id] = self.uncached[parent_seq_id]
         return child
 
-
-class PrefixCachingScheduler(ForkingScheduler):
-    """Admission takes the cached prefix; only the rest of the prompt is computed."""
-
-    block_manager_class = PrefixCachingBlockSpaceManager
-
-    def _allocate(self, seq: Sequence) -> int:
-        cached = self.block_manager.allocate_cached(seq.seq_id, seq.token_ids)
-        seq.num_computed_tokens = cached
-        return len(seq) - cached
+    def free(self, seq_id: Hashable) -> None:
+        self.uncached.pop(seq_id, None)
+        super().free(seq_id)
 
 
 class LLM(SharingLLM):
     """The whole engine: ``LLM(enable_prefix_caching=True)`` reuses cached prefixes."""
 
     def __init__(self, model: str = "tiny", *, enable_prefix_caching: bool = False, **kwargs) -> None:
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.enable_prefix_caching = enable_prefix_caching
-        if enable_prefix_caching:
-            self.scheduler_class = PrefixCachingScheduler
         super().__init__(model, **kwargs)
 
-    def execute_model(self, out: SchedulerOutput):
-        logits = super().execute_model(out)
-        if self.enable_prefix_caching:  # the K/V of every scheduled token is written now
-            for seq, _ in out.scheduled:
-                self.scheduler.block_manager.commit(seq.seq_id, seq.token_ids, len(seq))
-        return logits
+    def build_block_manager(self, num_gpu_blocks, block_size, cpu_allocator) -> SwapBlockSpaceManager:
+        if not self.enable_prefix_caching:
+            return super().build_block_manager(num_gpu_blocks, block_size, cpu_allocator)
+        return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(num_gpu_blocks), block_size, cpu_allocator)
 
     @property
     def stats(self) -> dict:
-        stats = super().stats
-        manager = self.scheduler.block_manager
-        if self.enable_prefix_caching:
-            stats["prefix_cache_hits"] = manager.hit_blocks
-            stats["prefix_cache_hit_rate"] = manager.hit_blocks / max(manager.looked_up_blocks, 1)
-        return stats
+        allocator = self.scheduler.block_manager.allocator
+        cached = isinstance(allocator, PrefixCachingAllocator)
+        return {**super().stats, "prefix_cache_hits": allocator.num_hits if cached else 0,
+                "prefix_cache_hit_rate": allocator.num_hits / max(allocator.num_queries, 1) if cached else 0.0,
+                "prefix_cache_evictions": allocator.num_evictions if cached else 0}

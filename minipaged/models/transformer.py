@@ -2,7 +2,7 @@
 
 One forward pass takes the new tokens of every scheduled sequence, concatenated:
 ``input_ids`` and ``positions`` of shape ``(num_tokens,)``. Each attention layer writes the
-new tokens' K/V into its cache through ``slot_mapping``, then calls the attention backend
+new tokens' K/V into the paged cache through ``slot_mapping`` (stage 2's ``write``), then calls the attention backend
 (stage 4's ``paged_attention_ref`` or stage 5's ``paged_attention_triton``), which reads
 each sequence's context through its block table. Prefills and decodes share one batch.
 
@@ -62,13 +62,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write the new K/V into the cache, then attend over each sequence's context."""
-    key_cache, value_cache = kv_cache  # each (num_blocks, block_size, num_kv_heads, head_dim)
-    slots = meta.slot_mapping
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = k
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = v
-    return meta.backend(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the new K/V into the paged cache (stage 2's ``write``), then attend over each context.
+
+    ``cache`` is a ``PagedKVCache``: per layer, ``key_cache`` / ``value_cache`` of shape
+    ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+    """
+    cache.write(layer, meta.slot_mapping, k, v)
+    return meta.backend(q, cache.key_cache[layer], cache.value_cache[layer], meta.block_tables, meta.seq_lens,
                         scale=scale, query_start_loc=meta.query_start_loc, validate=meta.validate)
 
 
@@ -105,7 +106,7 @@ class LlamaAttention(nn.Module):
         """One matmul for q, k and v (vLLM's ``qkv_proj``)."""
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x, cos, sin, kv_cache, meta):  # x: (num_tokens, hidden)
+    def forward(self, x, cos, sin, cache, layer, meta):  # x: (num_tokens, hidden)
         c = self.c
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
@@ -115,7 +116,7 @@ class LlamaAttention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
+        out = paged_attention(q, k, v, cache, layer, meta, c.head_dim**-0.5)
         return self.o_proj(out.reshape(len(x), -1))
 
 
@@ -144,8 +145,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, cache, layer, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,15 +170,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", c.inv_freq(), persistent=False)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """Hidden states ``(num_tokens, hidden)`` of the new tokens; K/V written on the way."""
+    def forward(self, input_ids, positions, cache, meta: AttentionMetadata):
+        """Hidden states ``(num_tokens, hidden)`` of the new tokens; K/V written into ``cache`` on the way."""
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         checked = replace(meta, validate=False)
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, kv_cache, meta if i == 0 else checked)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, meta if i == 0 else checked)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -216,10 +217,10 @@ class GPT2Block(nn.Module):
         self.mlp.c_proj = Conv1D(c.intermediate_size, c.hidden_size)
         self.act = activation(c.hidden_act)
 
-    def forward(self, x, kv_cache, meta):
+    def forward(self, x, cache, layer, meta):
         c = self.c
         q, k, v = self.attn.c_attn(self.ln_1(x)).view(-1, 3, c.num_heads, c.head_dim).unbind(1)
-        out = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
+        out = paged_attention(q, k, v, cache, layer, meta, c.head_dim**-0.5)
         x = x + self.attn.c_proj(out.reshape(len(x), -1))
         return x + self.mlp.c_proj(self.act(self.mlp.c_fc(self.ln_2(x))))
 
@@ -238,11 +239,11 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, cache, meta: AttentionMetadata):
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         checked = replace(meta, validate=False)
-        for i, (block, kv_cache) in enumerate(zip(self.transformer.h, kv_caches, strict=True)):
-            x = block(x, kv_cache, meta if i == 0 else checked)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cache, i, meta if i == 0 else checked)
         return self.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
