@@ -27,10 +27,34 @@ try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4
 except ImportError:  # pragma: no cover
     paged_attention_triton = None
 
-from minipaged.stage6_scheduler import Scheduler, SchedulerOutput, Sequence, SequenceStatus
-from minipaged.stage7_engine import CompletionOutput, RequestOutput, SamplingParams
-from minipaged.stage8_sharing import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from minipaged.stage9_prefix_caching import LLM  # the top of the ladder: every feature
+from minipaged.stage6_scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    SwapBlockSpaceManager,
+    SwapPagedKVCache,
+)
+from minipaged.stage7_engine import (
+    CompletionOutput,
+    LLMEngine,
+    ModelRunner,
+    RequestOutput,
+    Sampler,
+    SamplingParams,
+)
+from minipaged.stage8_sharing import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    SharingEngine,
+)
+from minipaged.stage9_prefix_caching import (  # the top of the ladder: every feature
+    LLM,
+    PrefixCachingAllocator,
+    PrefixCachingBlockSpaceManager,
+)
 
 __version__ = "0.1.0"
 
@@ -42,10 +66,19 @@ __all__ = [
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",
+    "LLMEngine",
+    "ModelRunner",
+    "PrefixCachingAllocator",
+    "PrefixCachingBlockSpaceManager",
+    "Sampler",
     "Scheduler",
     "SchedulerOutput",
     "Sequence",
+    "SequenceGroup",
     "SequenceStatus",
+    "SharingEngine",
+    "SwapBlockSpaceManager",
+    "SwapPagedKVCache",
     "POLICIES",
     "BlockAllocator",
     "BlockSpaceManager",

@@ -2,8 +2,9 @@
 
 No model runs here: each step, every running request stores the K/V of one more token.
 What is measured is where the memory goes, with the real caches doing the bookkeeping:
-stage 0's contiguous slabs (``simulate_contiguous``) or stage 2's blocks
-(``simulate_paged``).
+stage 0's contiguous slabs (``simulate_contiguous``), or the real serving loop — stage
+7's engine and stage 6's scheduler over blocks — with a runner that has no model
+(``simulate_paged``), so every figure of the paged cache comes from the real scheduler.
 """
 
 from __future__ import annotations
@@ -13,8 +14,17 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from minipaged.stage0_contiguous import ContiguousKVCache
-from minipaged.stage2_block_table import BlockSpaceManager
+from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
+from minipaged.stage6_scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    SequenceStatus,
+    SwapBlockSpaceManager,
+)
+from minipaged.stage7_engine import LLMEngine, Sampler, SamplingParams
 
 KINDS = ("token", "reserved", "internal", "external", "free")
 
@@ -136,52 +146,54 @@ def simulate_contiguous(
     return _result(policy, totals, step)
 
 
-def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 16) -> SimulationResult:
-    """Serve ``requests`` with stage 2's blocks: no reservation, one block at a time.
+class SimulatedRunner:
+    """A model runner without a model, for simulations: it moves no K/V and gives every
+    sequence the same logits, so the lengths of the outputs are set by ``max_tokens``."""
 
-    Same loop as ``simulate_contiguous``; a request is admitted when its prompt's blocks
-    are free. When a running request needs a block and none is free, the most recently
-    arrived running request is preempted: its blocks are freed and it goes back to the
-    front of the queue, to be recomputed (prompt and generated tokens) when readmitted.
+    vocab_size = 2
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        return torch.zeros(len(out.scheduled), self.vocab_size)
+
+
+def simulated_engine(num_blocks: int, block_size: int, max_model_len: int, *, preemption_mode: str = "recompute",
+                     num_cpu_blocks: int = 0, max_num_seqs: int = 1024) -> LLMEngine:
+    """Stage 7's engine with stage 6's scheduler over ``num_blocks`` blocks, and a ``SimulatedRunner``."""
+    cpu_allocator = RefCountedBlockAllocator(num_cpu_blocks) if num_cpu_blocks else None
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(num_blocks), block_size, cpu_allocator)
+    scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          preemption_mode=preemption_mode)
+    return LLMEngine(scheduler, SimulatedRunner(), Sampler(), vocab_size=SimulatedRunner.vocab_size)
+
+
+def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 16, *,
+                   preemption_mode: str = "recompute", num_cpu_blocks: int = 0) -> SimulationResult:
+    """Serve ``requests`` with the real engine loop and scheduler (stages 6 and 7), no model.
+
+    Each step: arrivals are added to the engine, and ``LLMEngine.step`` runs: stage 6's
+    scheduler decodes the running requests (preempting the newest when a block is
+    missing), admits waiting ones whose prompt blocks are free, and a model-free runner
+    stands in for the model. The usage of the blocks is sampled after every step.
     """
-    manager = BlockSpaceManager(num_blocks, block_size)
-    for r in requests:
-        if manager.blocks_needed(r.prompt_len + r.output_len) > num_blocks:
-            raise ValueError(f"request {r.request_id} can never fit {num_blocks} blocks")
+    max_model_len = max(r.prompt_len + r.output_len for r in requests)
+    engine = simulated_engine(num_blocks, block_size, max_model_len, preemption_mode=preemption_mode,
+                              num_cpu_blocks=num_cpu_blocks, max_num_seqs=max(len(requests), 1))
+    scheduler, manager = engine.scheduler, engine.scheduler.block_manager
     pending = deque(sorted(requests, key=lambda r: r.arrival))
-    waiting: deque[Request] = deque()
-    running: list[Request] = []  # in arrival order
-    stored = {r.request_id: r.prompt_len for r in requests}  # tokens to hold once admitted
     totals: dict = {}
-    step, preemptions = 0, 0
-    while pending or waiting or running:
+    step = 0
+    while pending or engine.has_unfinished_requests():
         while pending and pending[0].arrival <= step:
-            waiting.append(pending.popleft())
-        while waiting and manager.can_allocate(stored[waiting[0].request_id]):
-            r = waiting.popleft()
-            manager.allocate(r.request_id, stored[r.request_id])
-            running.append(r)
-            running.sort(key=lambda x: (x.arrival, x.request_id))
-        _accumulate(totals, manager.usage().fractions(), len(running), saturated=bool(waiting),
+            r = pending.popleft()
+            engine.add_request(r.request_id, {"prompt_token_ids": [0] * r.prompt_len},
+                               SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+        if engine.has_unfinished_requests():
+            engine.step()
+        running = sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in scheduler.running)
+        _accumulate(totals, manager.usage().fractions(), running, saturated=bool(scheduler.waiting),
                     arriving=bool(pending))
         step += 1
-        for r in list(running):
-            if r not in running:
-                continue  # preempted earlier in this step
-            while not manager.can_append_slot(r.request_id):
-                victim = running.pop()  # the most recently arrived
-                manager.free(victim.request_id)
-                waiting.appendleft(victim)
-                preemptions += 1
-                if victim is r:
-                    break
-            else:
-                manager.append_slot(r.request_id)
-                stored[r.request_id] += 1
-                if stored[r.request_id] == r.prompt_len + r.output_len:
-                    manager.free(r.request_id)
-                    running.remove(r)
-    return _result(f"paged/{block_size}", totals, step, preemptions)
+    return _result(f"paged/{block_size}", totals, step, scheduler.num_preemptions)
 
 
 def format_usage_table(results: list[SimulationResult]) -> str:

@@ -40,7 +40,11 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged.stage2_block_table import BlockTable
-from minipaged.stage3_copy_on_write import CowBlockSpaceManager, CowPagedKVCache, RefCountedBlockAllocator
+from minipaged.stage3_copy_on_write import (
+    CowBlockSpaceManager,
+    CowPagedKVCache,
+    RefCountedBlockAllocator,
+)
 
 _seq_ids = itertools.count()
 

@@ -36,11 +36,24 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.models import AttentionMetadata, load_model, load_tokenizer, resolve_dtype, resolve_model_path
+from minipaged.models import (
+    AttentionMetadata,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+)
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
-from minipaged.stage6_scheduler import (Scheduler, SchedulerOutput, Sequence, SequenceGroup, SequenceStatus,
-                                        SwapBlockSpaceManager, SwapPagedKVCache)
+from minipaged.stage6_scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    SwapBlockSpaceManager,
+    SwapPagedKVCache,
+)
 
 BACKENDS = ("ref", "triton")
 

@@ -30,7 +30,14 @@ import torch
 
 from minipaged.stage6_scheduler import SequenceStatus
 from minipaged.stage7_engine import LLM as EngineLLM
-from minipaged.stage7_engine import LLMEngine, Request, SampledSequence, SamplingParams, _check_int, sample
+from minipaged.stage7_engine import (
+    LLMEngine,
+    Request,
+    SampledSequence,
+    SamplingParams,
+    _check_int,
+    sample,
+)
 
 
 @dataclass

@@ -7,7 +7,33 @@ from them. A lost, stale or misplaced block changes the outputs, or fails the ch
 
 import torch
 
+from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
+from minipaged.stage6_scheduler import (
+    Scheduler,
+    Sequence,
+    SequenceGroup,
+    SwapBlockSpaceManager,
+    SwapPagedKVCache,
+)
+
 VOCAB = 50
+
+
+def make(num_blocks, mode="recompute", num_cpu_blocks=0, block_size=4, **kwargs):
+    """A scheduler over a fresh block manager, and a one-layer cache of float64 K/V = V = a token's code."""
+    kwargs.setdefault("max_model_len", 64)
+    cpu = RefCountedBlockAllocator(num_cpu_blocks) if num_cpu_blocks else None
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(num_blocks), block_size, cpu)
+    scheduler = Scheduler(manager, preemption_mode=mode, **kwargs)
+    cache = SwapPagedKVCache(1, num_blocks, block_size, 1, 1, dtype=torch.float64, num_cpu_blocks=num_cpu_blocks)
+    return scheduler, cache
+
+
+def add(scheduler, prompt, max_tokens, request_id=None, width=1):
+    """Queue a request of one sequence; return the sequence."""
+    seq = Sequence(list(prompt))
+    scheduler.add(SequenceGroup(seq.seq_id if request_id is None else request_id, [seq], max_tokens, width))
+    return seq
 
 
 class CacheReadingModel:
@@ -38,18 +64,19 @@ def serve(scheduler, cache, requests, max_steps=100_000, check=None):
     """Serve ``requests`` ``[(prompt, max_tokens, arrival_step)]``; return outputs in request order."""
     model = CacheReadingModel(scheduler, cache)
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
-    seqs = {}
+    seqs, limit = {}, {}
     step = 0
     while pending or scheduler.has_unfinished():
         while pending and requests[pending[0]][2] <= step:
             i = pending.pop(0)
-            seqs[i] = scheduler.add_sequence(requests[i][0], requests[i][1])
+            seqs[i] = add(scheduler, requests[i][0], requests[i][1], request_id=i)
+            limit[seqs[i]] = requests[i][1]
         out = scheduler.schedule()
         if check:
             check(scheduler, out)
         for seq, token in model.step(out).items():
-            scheduler.append_token(seq, token)
-            if len(seq.output_token_ids) == seq.max_tokens:
+            seq.append_token(token)
+            if len(seq.output_token_ids) == limit[seq]:
                 scheduler.finish(seq)
         step += 1
         assert step < max_steps, "the scheduler made no progress"

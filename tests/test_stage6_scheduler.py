@@ -4,12 +4,13 @@ import random
 
 import pytest
 import torch
-from helpers_scheduler import serve
+from helpers_scheduler import add, make, serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage6_scheduler import (
-    Scheduler,
+    SchedulerOutput,
     Sequence,
     SequenceStatus,
     SwapBlockSpaceManager,
@@ -17,13 +18,6 @@ from minipaged.stage6_scheduler import (
 )
 
 pytestmark = pytest.mark.stage6
-
-
-def make(num_blocks, mode="recompute", num_cpu_blocks=0, block_size=4, **kwargs):
-    kwargs.setdefault("max_model_len", 64)
-    scheduler = Scheduler(num_blocks, block_size, num_cpu_blocks, preemption_mode=mode, **kwargs)
-    cache = SwapPagedKVCache(1, num_blocks, block_size, 1, 1, dtype=torch.float64, num_cpu_blocks=num_cpu_blocks)
-    return scheduler, cache
 
 
 def workload(seed, n=24):
@@ -48,9 +42,9 @@ def test_outputs_under_preemption_equal_outputs_with_unlimited_memory(mode, seed
 
 
 def test_swap_round_trip_is_bit_exact():
-    manager = SwapBlockSpaceManager(8, 4, num_cpu_blocks=8)
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(8), 4, RefCountedBlockAllocator(8))
     cache = SwapPagedKVCache(2, 8, 4, 2, 3, num_cpu_blocks=8)
-    manager.allocate("a", 10)
+    manager.allocate("a", range(10))
     manager.fork("a", "b")  # shared blocks move once and stay shared
     for layer in range(2):
         cache.key_cache[layer].normal_()
@@ -76,11 +70,11 @@ def test_swap_round_trip_is_bit_exact():
 
 def test_continuous_batching_admits_new_prompts_while_others_decode():
     scheduler, cache = make(64)
-    first = scheduler.add_sequence([1, 2, 3], 5)
+    first = add(scheduler, [1, 2, 3], 5)
     out = scheduler.schedule()
     assert out.scheduled == [(first, 3)]
-    scheduler.append_token(first, 7)
-    second = scheduler.add_sequence([4, 5], 5)
+    first.append_token(7)
+    second = add(scheduler, [4, 5], 5)
     out = scheduler.schedule()
     assert out.scheduled == [(first, 1), (second, 2)]  # a decode and a prefill in one batch
     assert first.status is second.status is SequenceStatus.RUNNING
@@ -88,43 +82,43 @@ def test_continuous_batching_admits_new_prompts_while_others_decode():
 
 def test_budgets_limit_the_batch():
     scheduler, _ = make(64, max_num_seqs=2, max_num_batched_tokens=70)
-    seqs = [scheduler.add_sequence([1] * 30, 4) for _ in range(4)]
+    seqs = [add(scheduler, [1] * 30, 4) for _ in range(4)]
     out = scheduler.schedule()
     assert [s for s, _ in out.scheduled] == seqs[:2]  # max_num_seqs
     scheduler2, _ = make(64, max_num_batched_tokens=64)
-    a, b, c = (scheduler2.add_sequence([1] * 30, 4) for _ in range(3))
+    a, b, c = (add(scheduler2, [1] * 30, 4) for _ in range(3))
     assert [s for s, _ in scheduler2.schedule().scheduled] == [a, b]  # 3 x 30 > 64 tokens
 
 
 def test_the_victim_is_the_newest_and_the_oldest_keeps_running():
     scheduler, _ = make(6, block_size=4, max_model_len=24)
-    old, mid, new = (scheduler.add_sequence([1] * 8, 12) for _ in range(3))  # 2 blocks each
+    old, mid, new = (add(scheduler, [1] * 8, 12) for _ in range(3))  # 2 blocks each
     assert len(scheduler.schedule().scheduled) == 3
     for seq in (old, mid, new):
-        scheduler.append_token(seq, 1)
+        seq.append_token(1)
     out = scheduler.schedule()  # each needs a third block; none is free
-    assert out.preempted == [new]
+    assert [g.seqs for g in out.preempted] == [[new]]
     assert [s for s, _ in out.scheduled] == [old, mid]
-    assert scheduler.waiting == [new] and new.num_computed_tokens == 0  # recompute, outputs kept
+    assert [g.seqs for g in scheduler.waiting] == [[new]] and new.num_computed_tokens == 0  # recompute
     assert new.output_token_ids == [1]
 
 
 def test_requests_that_can_never_fit_are_refused_at_once():
-    with pytest.raises(ValueError, match="max_model_len=64 needs 16 blocks of 4; the cache has 10"):
-        Scheduler(10, 4, max_model_len=64)
-    with pytest.raises(ValueError, match="preemption_mode: expected 'recompute' or 'swap'"):
-        Scheduler(10, 4, max_model_len=8, preemption_mode="drop")
-    with pytest.raises(ValueError, match="needs num_cpu_blocks >= 1"):
-        Scheduler(10, 4, max_model_len=8, preemption_mode="swap")
-    with pytest.raises(ValueError, match="max_num_batched_tokens .8. must be >= max_model_len .16."):
-        Scheduler(10, 4, max_model_len=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError):
+        make(10, max_model_len=64)  # 16 blocks of 4 needed
+    with pytest.raises(ValueError):
+        make(10, mode="drop", max_model_len=8)
+    with pytest.raises(ValueError):
+        make(10, mode="swap", max_model_len=8)  # no CPU pool
+    with pytest.raises(ValueError):
+        make(10, max_model_len=16, max_num_batched_tokens=8)
     scheduler, _ = make(20)
-    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(5\) exceeds max_model_len=64"):
-        scheduler.add_sequence([1] * 60, 5)
-    with pytest.raises(ValueError, match="the prompt is empty"):
-        scheduler.add_sequence([], 5)
+    with pytest.raises(ValueError):
+        add(scheduler, [1] * 60, 5)  # 65 tokens > max_model_len=64
+    with pytest.raises(ValueError):
+        add(scheduler, [], 5)
     assert not scheduler.has_unfinished()
-    seq = scheduler.add_sequence([1] * 59, 5)  # the largest request that fits is served
+    seq = add(scheduler, [1] * 59, 5)  # the largest request that fits is served
     assert scheduler.schedule().scheduled == [(seq, 59)]
 
 
@@ -149,7 +143,7 @@ def test_random_load_on_a_tiny_cache(requests, mode, num_blocks, block_size):
     original = scheduler._preempt
 
     def preempt_newest(victim, out):
-        assert victim is max(scheduler.running, key=Sequence.order)
+        assert victim is max(scheduler.running, key=lambda g: g.arrival)
         original(victim, out)
 
     scheduler._preempt = preempt_newest
@@ -159,3 +153,73 @@ def test_random_load_on_a_tiny_cache(requests, mode, num_blocks, block_size):
     assert scheduler.block_manager.num_free_blocks == num_blocks
     if scheduler.block_manager.cpu_allocator:
         assert scheduler.block_manager.cpu_allocator.num_free_blocks == 8
+
+
+def fork_group(scheduler, prompt, width, max_tokens=8):
+    """A request of ``width`` sequences sharing its prompt's blocks, prefilled and forked."""
+    parent = add(scheduler, prompt, max_tokens, width=width)
+    group = scheduler.running[-1] if scheduler.schedule().scheduled else None
+    assert group is not None and group.seqs == [parent]
+    parent.append_token(1)
+    for _ in range(width - 1):
+        child = Sequence(list(parent.prompt_token_ids), list(parent.output_token_ids),
+                         status=SequenceStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens)
+        scheduler.block_manager.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+    return group
+
+
+def preempt(scheduler, group):
+    """Force a running group out, as the scheduler does when memory runs out."""
+    out = SchedulerOutput()
+    scheduler._preempt(group, out)
+    return out
+
+
+def test_a_group_moves_whole_its_shared_blocks_once_and_stays_shared():
+    scheduler, _ = make(16, "swap", num_cpu_blocks=16, max_model_len=32)
+    manager = scheduler.block_manager
+    group = fork_group(scheduler, [1] * 9, width=3)  # blocks 0, 1 (full) and 2 (1 token) held by 3 sequences
+    out = scheduler.schedule()  # every sequence decodes: two copy-on-writes of the shared last block
+    assert len(out.scheduled) == 3 and len(out.blocks_to_copy) == 2
+    for seq in group.seqs:
+        seq.append_token(1)
+    out = preempt(scheduler, group)
+    assert scheduler.swapped == [group] and all(s.status is SequenceStatus.SWAPPED for s in group.seqs)
+    assert len(out.blocks_to_swap_out) == 5  # 2 shared blocks + 3 last blocks, each moved once
+    assert manager.num_free_blocks == 16 and manager.cpu_allocator.num_free_blocks == 11
+    out = scheduler.schedule()
+    assert out.scheduled_groups == [group] and len(out.blocks_to_swap_in) == 5
+    tables = [manager.get_block_table(s.seq_id) for s in group.seqs]
+    assert all(t[:2] == tables[0][:2] for t in tables)  # the prompt's full blocks are shared again
+    assert all(manager.ref_count(b) == 3 for b in tables[0][:2])
+    assert manager.cpu_allocator.num_free_blocks == 16
+
+
+def test_max_num_seqs_counts_every_sequence_a_group_may_run():
+    scheduler, _ = make(64, max_num_seqs=5)
+    wide = add(scheduler, [1] * 4, 4, width=4)
+    narrow = add(scheduler, [2] * 4, 4, width=2)
+    out = scheduler.schedule()
+    assert [s for s, _ in out.scheduled] == [wide]  # 4 + 2 > 5 even before the forks
+    with pytest.raises(ValueError):
+        add(scheduler, [3] * 4, 4, width=6)  # can never run
+    assert narrow.status is SequenceStatus.WAITING
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
+def test_abort_frees_a_request_wherever_it_is(where):
+    scheduler, _ = make(12, "swap", num_cpu_blocks=12, max_model_len=32)
+    manager = scheduler.block_manager
+    if where == "waiting":
+        add(scheduler, [1] * 8, 4, request_id="r")
+    else:
+        group = fork_group(scheduler, [1] * 8, width=2)
+        group.request_id = "r"
+        if where == "swapped":
+            preempt(scheduler, group)
+    assert scheduler.abort("r") and not scheduler.abort("r")
+    assert not scheduler.has_unfinished()
+    assert manager.num_free_blocks == 12 and manager.cpu_allocator.num_free_blocks == 12
+    seq = add(scheduler, [1] * 8, 4)
+    assert scheduler.schedule().scheduled == [(seq, 8)]  # and the scheduler goes on

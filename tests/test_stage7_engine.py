@@ -154,31 +154,65 @@ def test_stop_tokens_and_finish_reasons():
 
 
 @pytest.mark.parametrize(
-    "call,message",
-    [(lambda llm: llm.generate([""], use_tqdm=False), "the prompt is empty"),
-     (lambda llm: llm.generate([{"prompt_token_ids": [1, 99999]}], use_tqdm=False), "token ids must be in 0 .. 2047"),
-     (lambda llm: llm.generate(["a"], SamplingParams(max_tokens=0)), "max_tokens must be an integer >= 1"),
-     (lambda llm: llm.generate(["a"], SamplingParams(temperature=-1)), "temperature must be >= 0"),
-     (lambda llm: llm.generate(["a"], SamplingParams(top_p=0)), r"top_p must be in \(0, 1\]"),
-     (lambda llm: llm.generate(["a"], SamplingParams(top_p=1.5)), r"top_p must be in \(0, 1\]"),
-     (lambda llm: llm.generate(["a"], SamplingParams(top_k=0)), "top_k must be -1"),
-     (lambda llm: llm.generate([{"prompt_token_ids": [1] * 500}], SamplingParams(max_tokens=20)), "exceeds max_model_len=512"),
-     (lambda llm: llm.generate([42]), "a prompt must be a string"),
-     (lambda llm: LLM("tiny", attention_backend="flash"), "attention_backend: expected one of"),
-     (lambda llm: LLM("tiny", preemption_mode="drop"), "preemption_mode: expected"),
-     (lambda llm: LLM("tiny", dtype="int8"), "dtype 'int8' is not supported"),
-     (lambda llm: LLM("meta-llama/Llama-3-8B"), "is not a local folder: minipaged never downloads"),
-     (lambda llm: LLM("tiny", num_gpu_blocks=4, max_model_len=512), "max_model_len=512 needs 32 blocks of 16; the cache has 4")],
-    ids=["empty", "vocab", "max_tokens", "temperature", "top_p0", "top_p", "top_k", "too-long", "type",
-         "backend", "mode", "dtype", "hub-id", "cache"],
+    "call,error",
+    [(lambda llm: llm.generate([""], use_tqdm=False), ValueError),
+     (lambda llm: llm.generate([{"prompt_token_ids": [1, 99999]}], use_tqdm=False), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(max_tokens=0)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(temperature=-1)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_p=0)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_p=1.5)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_k=0)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(top_k=3.5)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(n=2.0)), ValueError),
+     (lambda llm: llm.generate(["a"], SamplingParams(logprobs=5000)), ValueError),  # the vocabulary has 2048
+     (lambda llm: llm.generate(["a", {"prompt_token_ids": [1] * 500}], SamplingParams(max_tokens=20)), ValueError),
+     (lambda llm: llm.generate([42]), TypeError),
+     (lambda llm: llm.generate(["a"], {"max_tokens": 3}), TypeError),
+     (lambda llm: LLM("tiny", attention_backend="flash"), ValueError),
+     (lambda llm: LLM("tiny", preemption_mode="drop"), ValueError),
+     (lambda llm: LLM("tiny", dtype="int8"), ValueError),
+     (lambda llm: LLM("meta-llama/Llama-3-8B"), ValueError),
+     (lambda llm: LLM("tiny", block_size=0), ValueError),
+     (lambda llm: LLM("tiny", num_gpu_blocks=4, max_model_len=512), ValueError),  # 32 blocks of 16 needed
+     (lambda llm: LLM("tiny", max_model_len=10**6), ValueError)],  # beyond the model's position table
+    ids=["empty", "vocab", "max_tokens", "temperature", "top_p0", "top_p", "top_k", "top_k-float", "n-float",
+         "logprobs", "too-long", "type", "params-type", "backend", "mode", "dtype", "hub-id", "block_size", "cache",
+         "positions"],
 )
-def test_bad_input_is_refused_before_anything_runs(call, message):
+def test_bad_input_is_refused_before_anything_runs(call, error):
     llm = LLM("tiny", num_gpu_blocks=64)
     good = {"prompt_token_ids": [1, 2]}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error):
         call(llm)
-    assert not llm.scheduler.has_unfinished() and llm.stats["steps"] == 0
+    assert not llm.engine.has_unfinished_requests() and llm.stats["steps"] == 0
+    assert llm.scheduler.block_manager.num_free_blocks == 64
     assert llm.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("at", ["runner", "sampler"])
+def test_an_exception_inside_a_step_leaves_the_engine_usable_with_every_block_back(fault, at, monkeypatch):
+    llm = LLM("tiny", num_gpu_blocks=32, block_size=4, max_model_len=64)
+    prompts = [{"prompt_token_ids": list(range(1, 10 + i))} for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    part = llm.engine.runner if at == "runner" else llm.engine
+    name = "execute" if at == "runner" else "sampler"
+    original, calls = getattr(part, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise fault("boom")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(part, name, failing)
+    with pytest.raises(fault):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(part, name, original)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.scheduler.block_manager.num_free_blocks == 32
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 
 def test_sharded_checkpoints_and_half_precision_load(checkpoints, tmp_path):

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+from minipaged.stage7_engine import LLM as UnsharedLLM
 from minipaged.stage7_engine import SamplingParams
 from minipaged.stage8_sharing import LLM, BeamSearchParams
 
@@ -65,7 +66,7 @@ def test_beam_search_equals_transformers(checkpoints, name, width, penalty, earl
     eos = None
     if with_eos:  # an end token that the search really meets: the third token of the best beam without one
         eos = hf_beams(hf_model, prompt, BeamSearchParams(width, 12, penalty, early, True), None)[0][0][2]
-        llm.eos_token_ids = {eos}
+        llm.engine.eos_token_ids = {eos}
     expected, scores = hf_beams(hf_model, prompt, params, eos)
     out = llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
     assert [s.token_ids for s in out.sequences] == expected
@@ -83,15 +84,19 @@ def test_beams_share_blocks(checkpoints):
 
 
 @pytest.mark.parametrize("prompt_len,n,block_size", [(37, 4, 16), (32, 3, 8), (5, 6, 4)])
-def test_parallel_samples_are_the_same_with_sharing_in_fewer_blocks(checkpoints, prompt_len, n, block_size):
+def test_n_samples_equal_n_unshared_requests_seeded_one_apart_in_fewer_blocks(checkpoints, prompt_len, n, block_size):
+    """Sample i of a request seeded s draws as stage 7's request seeded s + i: the same tokens."""
     path, _ = checkpoints["qwen2"]
-    prompt = [{"prompt_token_ids": list(range(3, 3 + prompt_len))}]
-    params = SamplingParams(n=n, max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 3 + prompt_len))}
     runs = {}
-    for share in (True, False):
-        llm = LLM(str(path), num_gpu_blocks=256, block_size=block_size, share_blocks=share)
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
-        runs[share] = ([c.token_ids for c in out.outputs], llm.peak_blocks_used, llm.stats["prefill_tokens"])
+    llm = LLM(str(path), num_gpu_blocks=256, block_size=block_size)
+    params = SamplingParams(n=n, max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    runs[True] = ([c.token_ids for c in out.outputs], llm.peak_blocks_used, llm.stats["prefill_tokens"])
+    unshared = UnsharedLLM(str(path), num_gpu_blocks=256, block_size=block_size)
+    seeded = [SamplingParams(max_tokens=10, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(n)]
+    outs = unshared.generate([prompt] * n, seeded, use_tqdm=False)
+    runs[False] = ([o.outputs[0].token_ids for o in outs], unshared.peak_blocks_used, unshared.stats["prefill_tokens"])
     assert runs[True][0] == runs[False][0]
     assert len({tuple(t) for t in runs[True][0]}) > 1  # the samples differ from each other
     stored = prompt_len + 10 - 1  # the last token's K/V is never written
@@ -106,19 +111,46 @@ def test_parallel_samples_survive_preemption_by_swap(checkpoints):
     prompts = [{"prompt_token_ids": list(range(1 + i, 20 + i))} for i in range(4)]
     params = SamplingParams(n=3, max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
     roomy = LLM(str(path), num_gpu_blocks=256, block_size=4).generate(prompts, params, use_tqdm=False)
-    tight = LLM(str(path), num_gpu_blocks=24, block_size=4, max_model_len=64, preemption_mode="swap")
+    tight = LLM(str(path), num_gpu_blocks=32, block_size=4, max_model_len=64, preemption_mode="swap")
     squeezed = tight.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in squeezed] == [[c.token_ids for c in o.outputs] for o in roomy]
-    assert tight.stats["preemptions"] > 0 and tight.scheduler.block_manager.num_free_blocks == 24
+    assert tight.stats["preemptions"] > 0 and tight.stats["swapped_out_blocks"] > 0
+    assert tight.scheduler.block_manager.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beams_survive_preemption(checkpoints, mode):
+    path, _ = checkpoints["llama"]
+    prompts = [{"prompt_token_ids": list(range(1 + i, 12 + i))} for i in range(3)]
+    params = BeamSearchParams(3, 12, ignore_eos=True)
+    roomy = LLM(str(path), num_gpu_blocks=256, block_size=4).beam_search(prompts, params)
+    tight = LLM(str(path), num_gpu_blocks=20, block_size=4, max_model_len=32, preemption_mode=mode)
+    squeezed = tight.beam_search(prompts, params)
+    assert [[s.token_ids for s in o.sequences] for o in squeezed] == [[s.token_ids for s in o.sequences] for o in roomy]
+    assert tight.stats["preemptions"] > 0 and tight.scheduler.block_manager.num_free_blocks == 20
+
+
+def test_a_request_wider_than_max_num_seqs_is_refused_and_groups_count_whole(checkpoints):
+    path, _ = checkpoints["llama"]
+    llm = LLM(str(path), num_gpu_blocks=256, block_size=4, max_num_seqs=8)
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(n=9), use_tqdm=False)
+    steps = []
+    original = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda out: steps.append(len(out.scheduled)) or original(out)
+    params = SamplingParams(n=5, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6]}], params, use_tqdm=False)
+    assert max(steps) == 5  # never both requests at once: 5 + 5 > 8
 
 
 def test_bad_beam_search_requests_are_refused(checkpoints):
     path, _ = checkpoints["llama"]
     llm = LLM(str(path), num_gpu_blocks=8, block_size=4, max_model_len=32)
-    with pytest.raises(ValueError, match="beam_width and max_tokens must be >= 1"):
+    with pytest.raises(ValueError):
         BeamSearchParams(beam_width=0)
-    with pytest.raises(ValueError, match="early_stopping must be"):
+    with pytest.raises(ValueError):
         BeamSearchParams(early_stopping="sometimes")
-    with pytest.raises(ValueError, match="may need 20 blocks; the cache has 8"):
-        llm.beam_search([{"prompt_token_ids": [1] * 10}], BeamSearchParams(4, 10))
+    with pytest.raises(ValueError):
+        llm.beam_search([{"prompt_token_ids": [1] * 10}], BeamSearchParams(4, 10))  # 4 x 5 blocks > 8
+    assert not llm.engine.has_unfinished_requests() and llm.scheduler.block_manager.num_free_blocks == 8
     assert llm.beam_search([{"prompt_token_ids": [1, 2]}], BeamSearchParams(1, 3, ignore_eos=True))[0].sequences

@@ -11,10 +11,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage3_copy_on_write import CowPagedKVCache
 from minipaged.stage7_engine import SamplingParams
+from minipaged.stage8_sharing import LLM as UncachedLLM
+from minipaged.stage8_sharing import BeamSearchParams
 from minipaged.stage9_prefix_caching import (
     LLM,
-    CachingBlockAllocator,
+    ROOT,
+    PrefixCachingAllocator,
     PrefixCachingBlockSpaceManager,
+    block_hash,
 )
 
 pytestmark = pytest.mark.stage9
@@ -45,7 +49,7 @@ WORKLOADS = {
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_outputs_with_caching_equal_outputs_without(workload):
     batches = WORKLOADS[workload]
-    plain = LLM("tiny", num_gpu_blocks=256)
+    plain = UncachedLLM("tiny", num_gpu_blocks=256)
     cached = LLM("tiny", num_gpu_blocks=256, enable_prefix_caching=True)
     assert run(cached, batches) == run(plain, batches)
     stats, base = cached.stats, plain.stats
@@ -58,12 +62,11 @@ def test_outputs_with_caching_equal_outputs_without(workload):
 def test_same_outputs_under_memory_pressure_with_evictions_and_preemptions():
     batches = [[SYSTEM + tokens(60 + i, 10) for i in range(6)], [SYSTEM + tokens(70 + i, 12) for i in range(6)],
                [tokens(80 + i, 60) for i in range(4)], [SYSTEM + tokens(90, 4)]]
-    plain = LLM("tiny", num_gpu_blocks=400)
+    plain = UncachedLLM("tiny", num_gpu_blocks=400)
     cached = LLM("tiny", num_gpu_blocks=14, max_model_len=128, enable_prefix_caching=True)
     assert run(cached, batches) == run(plain, batches)
     assert cached.stats["preemptions"] > 0 and cached.stats["prefix_cache_hits"] > 0
-    manager = cached.scheduler.block_manager
-    assert manager.num_free_blocks == 14 and manager.evictions > 0
+    assert cached.scheduler.block_manager.num_free_blocks == 14 and cached.stats["prefix_cache_evictions"] > 0
 
 
 def test_the_prefill_of_a_cached_prefix_is_skipped():
@@ -75,31 +78,62 @@ def test_the_prefill_of_a_cached_prefix_is_skipped():
     assert llm.stats["prefix_cache_hits"] == 4
 
 
-def test_a_hash_collision_never_returns_wrong_blocks():
-    allocator = CachingBlockAllocator(4)
-    block = allocator.allocate()
-    allocator.register(block, digest=1234, tokens=(1, 2, 3), parent=None)
-    assert allocator.lookup(1234, (9, 9, 9), None) is None  # same hash, other tokens
-    assert allocator.lookup(1234, (1, 2, 3), parent=3) is None  # same tokens, other prefix
-    assert allocator.lookup(1234, (1, 2, 3), None) == block and allocator.ref_count(block) == 2
+def test_the_hash_names_the_whole_prefix():
+    first = block_hash(ROOT, [1, 2, 3])
+    assert len(first) == 32 and first == block_hash(ROOT, (1, 2, 3))
+    assert block_hash(first, [4, 5, 6]) != block_hash(block_hash(ROOT, [9, 9, 9]), [4, 5, 6])  # other parent
+    assert block_hash(ROOT, [1, 2, 3]) != block_hash(ROOT, [3, 2, 1]) != block_hash(ROOT, [1, 2, 3, 0])
+
+
+def test_a_reused_block_never_hands_back_another_prefixs_kv():
+    """A block evicted and refilled with other tokens: a prompt whose second block matches the old
+    prefix's second block, but not its first, must get no hit at all."""
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(3), 2)
+    manager.allocate("a", [1, 1, 2, 2, 9])  # blocks 0, 1 full; block 2 holds token 9
+    manager.append_slot("a")  # its prompt is computed: blocks 0 and 1 become findable
+    manager.free("a")
+    manager.allocate("b", [5, 5, 6])  # two blocks: block 2, then the least recently used cached one
+    manager.append_slot("b")
+    manager.free("b")
+    assert manager.allocate("c", [5, 5, 2, 2, 7]) == 2  # [5, 5] is cached again; [2, 2] after it is not
+    assert manager.get_block_table("c") == [2, 1, 0]  # block 0, once [1, 1], was evicted and reused
+    manager.free("c")
+    assert manager.allocate("d", [1, 1, 2, 2, 8]) == 0  # [1, 1] is gone, so [2, 2] after it is never reached
 
 
 def test_eviction_is_least_recently_used_and_last_blocks_first():
-    manager = PrefixCachingBlockSpaceManager(5, 2)
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(5), 2)
     prompt = [1, 2, 3, 4, 5, 6, 7]
-    assert manager.allocate_cached("a", prompt) == 0
-    manager.commit("a", prompt, 7)  # blocks 0, 1, 2 are full and hashed; block 3 holds token 7
+    assert manager.allocate("a", prompt) == 0
+    manager.append_slot("a")  # blocks 0, 1, 2 are full and computed: findable; block 3 holds tokens 7, 8
     manager.free("a")
     assert list(manager.allocator.evictor) == [2, 1, 0] and manager.num_free_blocks == 5
-    taken = manager.allocator.allocate_blocks(3)  # the free blocks 3 and 4, then the oldest cached: 2
-    assert taken == [3, 4, 2] and manager.evictions == 1
+    taken = manager.allocator.allocate(3)  # the free blocks 3 and 4, then the oldest cached: 2
+    assert taken == [3, 4, 2] and manager.allocator.num_evictions == 1
     for block_id in taken:
         manager.allocator.free(block_id)
-    assert manager.allocate_cached("b", [1, 2, 3, 4, 9]) == 4  # blocks 0 and 1 still hit
+    assert manager.allocate("b", [1, 2, 3, 4, 9]) == 4  # blocks 0 and 1 still hit
     assert manager.get_block_table("b")[:2] == [0, 1]
     with pytest.raises(OutOfBlocksError):
-        manager.allocate_cached("c", [1, 2, 3, 4, 5, 6, 8, 8, 8])  # 2 hits, needs 3 more blocks, 2 free
+        manager.allocate("c", [1, 2, 3, 4, 5, 6, 8, 8, 8])  # 2 hits, needs 3 more blocks, 2 free
     assert manager.allocator.ref_count(0) == 1  # the refused call gave its hits back
+
+
+def test_beam_search_and_parallel_samples_hit_the_cache_too():
+    llm = LLM("tiny", num_gpu_blocks=128, enable_prefix_caching=True)
+    run(llm, [[SYSTEM + [5, 6, 7]]])
+    hits = llm.stats["prefix_cache_hits"]
+    beams = llm.beam_search([{"prompt_token_ids": SYSTEM + [8, 9]}], BeamSearchParams(3, 6, ignore_eos=True))
+    assert llm.stats["prefix_cache_hits"] == hits + 4  # 70 shared tokens: 4 full blocks of 16
+    plain = UncachedLLM("tiny", num_gpu_blocks=128)
+    expected = plain.beam_search([{"prompt_token_ids": SYSTEM + [8, 9]}], BeamSearchParams(3, 6, ignore_eos=True))
+    assert [s.token_ids for s in beams[0].sequences] == [s.token_ids for s in expected[0].sequences]
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    sampled = llm.generate([{"prompt_token_ids": SYSTEM + [4]}], params, use_tqdm=False)[0]
+    assert llm.stats["prefix_cache_hits"] == hits + 8
+    again = plain.generate([{"prompt_token_ids": SYSTEM + [4]}], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
+    assert llm.scheduler.block_manager.num_free_blocks == 128
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
@@ -107,7 +141,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.manager = PrefixCachingBlockSpaceManager(num_blocks=12, block_size=2)
+        self.manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(12), 2)
         self.cache = CowPagedKVCache(1, 12, 2, 1, 1, dtype=torch.float64)
         self.seqs: dict[int, list[int]] = {}
         self.counter = 0
@@ -117,14 +151,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         values = torch.tensor([t * 1000.0 + p for p, t in enumerate(toks)], dtype=torch.float64)[start:]
         n = len(toks) - start
         self.cache.write(0, self.manager.slot_mapping([seq_id], [n]), values.view(n, 1, 1), -values.view(n, 1, 1))
-        self.manager.commit(seq_id, toks, len(toks))
 
     @rule(prefix=st.sampled_from([(1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 7, 7, 7, 7, 7)]), tail=st.lists(st.integers(1, 9), max_size=4))
     def admit(self, prefix, tail):
         self.counter += 1
         toks = list(prefix) + tail
         try:
-            cached = self.manager.allocate_cached(self.counter, toks)
+            cached = self.manager.allocate(self.counter, toks)
         except OutOfBlocksError:
             return
         self.seqs[self.counter] = toks
@@ -154,7 +187,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         held = [b for t in self.manager.block_tables.values() for b in t.block_ids]
         for block_id in range(12):
             assert allocator.ref_count(block_id) == held.count(block_id)
-        assert all(allocator.hash_of[b] == h for h, b in allocator.table.items())
+        assert all(allocator.hash_of[b] == h for h, b in allocator.cached.items())
         assert all(b in allocator.hash_of and allocator.ref_count(b) == 0 for b in allocator.evictor)
         assert self.manager.num_free_blocks + len(set(held)) == 12
 
