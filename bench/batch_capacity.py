@@ -5,7 +5,7 @@ One budget, the paper's for OPT-13B on an A100-40GB: 12 GiB of KV cache, 800 KB 
 arrive at several rates and are served first come, first served, with no model: each step
 every running request produces one token. Contiguous reservation (stage 0, policies
 ``max``, ``pow2``, ``oracle``) runs in its own first-fit loop (``simulate_contiguous``);
-paged memory runs through the real stage 6 ``Scheduler`` (blocks of 16, preemption by
+paged memory runs through the real engine loop and stage 6 ``Scheduler`` (blocks of 16, preemption by
 recomputation). Reported: the average number of running requests over the steps while
 requests keep arriving (the steady state, without the final drain). At low rates arrivals
 limit the batch; at high rates, memory does. Writes bench/results/batch_capacity.json and .png; the last line
@@ -24,8 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from workloads import MAX_LEN, OPT_13B_SLOTS, TRACES, trace  # noqa: E402
 
-from minipaged.simulate import simulate_contiguous  # noqa: E402
-from minipaged.stage6_scheduler import Scheduler  # noqa: E402
+from minipaged.simulate import simulate_contiguous, simulated_engine  # noqa: E402
+from minipaged.stage7_engine import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SCALE = {"ShareGPT": 1, "Alpaca": 40}  # Alpaca's requests are ~6x shorter: more arrive per step
@@ -33,21 +33,18 @@ PAPER_SHAREGPT_2RPS = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.4
 
 
 def mean_batch_paged(requests, slots: int, block_size: int = 16) -> float:
-    """Serve the trace through the real scheduler with a model that computes nothing."""
-    scheduler = Scheduler(slots // block_size, block_size, max_num_seqs=1024, max_model_len=MAX_LEN,
-                          max_num_batched_tokens=8 * MAX_LEN)
+    """Serve the trace through the real engine loop and scheduler, with a runner that has no model."""
+    engine = simulated_engine(slots // block_size, block_size, MAX_LEN, max_num_seqs=1024,
+                              max_num_batched_tokens=8 * MAX_LEN)
     pending, step, total, busy = sorted(requests, key=lambda r: r.arrival), 0, 0, 0
-    while pending or scheduler.has_unfinished():
+    while pending or engine.has_unfinished_requests():
         while pending and pending[0].arrival <= step:
             r = pending.pop(0)
-            scheduler.add_sequence([1] * r.prompt_len, r.output_len)
-        out = scheduler.schedule()
-        for seq, _ in out.scheduled:
-            scheduler.append_token(seq, 1)
-            if len(seq.output_token_ids) == seq.max_tokens:
-                scheduler.finish(seq)
+            engine.add_request(r.request_id, {"prompt_token_ids": [1] * r.prompt_len},
+                               SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+        batch = len(engine.step()) if engine.has_unfinished_requests() else 0  # one sequence per request
         if pending:  # the steady state: requests keep arriving
-            total += len(out.scheduled)
+            total += batch
             busy += 1
         step += 1
     return total / max(busy, 1)

@@ -2,7 +2,8 @@
 
 Runs the tiny model through minipaged's engine on ShareGPT-like and Alpaca-like requests
 (the paper's mean lengths, each request clipped to 500 tokens): parallel sampling with
-n = 2, 4, 6 with shared blocks and without (``share_blocks=False``), and beam search with
+n = 2, 4, 6 with shared blocks (stage 8: one prefill, then forks) and without (stage 7's
+engine serving n separate requests seeded one apart), and beam search with
 width 2, 4, 6, whose unshared baseline is every beam holding its own copy of its tokens.
 The saving is 1 - (blocks in use with sharing) / (blocks without), averaged over the
 steps. Block size 16. Writes bench/results/sharing.json and .png; the last line is the
@@ -21,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minipaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from minipaged.stage7_engine import LLM as UnsharedLLM  # noqa: E402
 from minipaged.simulate import synthetic_requests  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -32,43 +34,47 @@ PAPER = {("Alpaca", "parallel"): "6.1-9.8%", ("Alpaca", "beam"): "37.6-55.2%",
 def blocks_over_time(llm, run) -> list[int]:
     """Blocks in use after every step of ``run()``."""
     manager, seen = llm.scheduler.block_manager, []
-    step = llm.step
+    step = llm.engine.step
 
     def recording_step():
-        finished = step()
+        outputs = step()
         seen.append(manager.num_total_blocks - manager.num_free_blocks)
-        return finished
+        return outputs
 
-    llm.step = recording_step
+    llm.engine.step = recording_step
     run()
     return seen
 
 
 def parallel_saving(requests, n) -> float:
-    used = {}
-    for share in (True, False):
-        llm = LLM("tiny", num_gpu_blocks=4096, share_blocks=share)
-        prompts = [{"prompt_token_ids": [1 + i % 2000 for i in range(r.prompt_len)]} for r in requests]
-        params = [SamplingParams(n=n, max_tokens=r.output_len, temperature=1.0, seed=i, ignore_eos=True)
-                  for i, r in enumerate(requests)]
-        used[share] = sum(blocks_over_time(llm, lambda llm=llm, p=prompts, sp=params: llm.generate(p, sp, use_tqdm=False)))
-    return 1 - used[True] / used[False]
+    prompts = [{"prompt_token_ids": [1 + i % 2000 for i in range(r.prompt_len)]} for r in requests]
+    shared = LLM("tiny", num_gpu_blocks=4096)
+    params = [SamplingParams(n=n, max_tokens=r.output_len, temperature=1.0, seed=10 * i, ignore_eos=True)
+              for i, r in enumerate(requests)]
+    used_shared = sum(blocks_over_time(shared, lambda: shared.generate(prompts, params, use_tqdm=False)))
+    unshared = UnsharedLLM("tiny", num_gpu_blocks=4096)
+    alone = [SamplingParams(max_tokens=r.output_len, temperature=1.0, seed=10 * i + k, ignore_eos=True)
+             for i, r in enumerate(requests) for k in range(n)]
+    repeated = [p for p in prompts for _ in range(n)]
+    used_unshared = sum(blocks_over_time(unshared, lambda: unshared.generate(repeated, alone, use_tqdm=False)))
+    return 1 - used_shared / used_unshared
 
 
 def beam_saving(requests, width) -> float:
     shared = unshared = 0
     for r in requests:
         llm = LLM("tiny", num_gpu_blocks=4096)
-        manager, advance = llm.scheduler.block_manager, llm._advance
+        manager, replace_beams = llm.scheduler.block_manager, llm.engine.replace_beams
 
-        def recording_advance(beams, keep, manager=manager, advance=advance):
+        def recording(request, beams, keep, manager=manager, replace_beams=replace_beams):
             nonlocal shared, unshared
-            result = advance(beams, keep)
-            shared += manager.num_total_blocks - manager.num_free_blocks
-            unshared += sum(manager.blocks_needed(len(b)) for b in result[0])
-            return result
+            new_beams = replace_beams(request, beams, keep)
+            if new_beams:  # the blocks the beams hold now, shared or each its own copy
+                shared += len({b for beam in new_beams for b in manager.get_block_table(beam.seq_id)})
+                unshared += sum(manager.blocks_needed(len(beam) - 1) for beam in new_beams)
+            return new_beams
 
-        llm._advance = recording_advance
+        llm.engine.replace_beams = recording
         prompt = [1 + i % 2000 for i in range(r.prompt_len)]
         llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(width, max(r.output_len, 2), ignore_eos=True))
     return 1 - shared / unshared

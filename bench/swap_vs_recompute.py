@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from minipaged import LLM  # noqa: E402
-from minipaged.stage6_scheduler import SchedulerOutput, SwapBlockSpaceManager  # noqa: E402
+from minipaged.stage6_scheduler import SchedulerOutput, Sequence, SwapBlockSpaceManager  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -48,9 +48,8 @@ def measure(size: int, device: str, repeats: int) -> dict:
     llm = LLM("tiny", num_gpu_blocks=blocks + 1, block_size=size, max_model_len=TOKENS + size,
               preemption_mode="swap", device=device)
     manager: SwapBlockSpaceManager = llm.scheduler.block_manager
-    seq = llm.scheduler.add_sequence(list(range(1, TOKENS + 1)), 1)
-    llm.scheduler.waiting.remove(seq)
-    manager.allocate(seq.seq_id, TOKENS)
+    seq = Sequence(list(range(1, TOKENS + 1)))
+    manager.allocate(seq.seq_id, seq.token_ids)
 
     def swap_round_trip():
         llm.cache.swap_out(manager.swap_out([seq.seq_id]))
@@ -59,7 +58,7 @@ def measure(size: int, device: str, repeats: int) -> dict:
             torch.cuda.synchronize()
 
     def recompute():
-        llm.execute_model(SchedulerOutput(scheduled=[(seq, TOKENS)]))
+        llm.engine.runner.execute(SchedulerOutput(scheduled=[(seq, TOKENS)]))
         if device == "cuda":
             torch.cuda.synchronize()
 

@@ -31,6 +31,7 @@ BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 STAGE_FILE = re.compile(r"stage(\d+)_(\w+)\.py$")
+WORKSPACE_MARK = ".minipaged-exercise"  # written into every workspace: --force replaces only those
 
 
 class SolutionMarkerError(ValueError):
@@ -114,9 +115,12 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
             "of the minipaged repository"
         )
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
             raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+        if not (out / WORKSPACE_MARK).is_file():  # never delete what this tool did not write
+            raise FileExistsError(f"{out} is not an exercise workspace written by minipaged; "
+                                  "--force replaces only those: choose another --out")
         shutil.rmtree(out)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(repo_dir / "minipaged", out / "minipaged", ignore=ignore)
@@ -136,6 +140,7 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
         f"Check your work from this folder with `pytest -k stage{stage}`, or see every\n"
         f"stage at once with `minipaged grade .`.\n"
     )
+    (out / WORKSPACE_MARK).write_text(f"stage {stage}\n")
     return out
 
 

@@ -157,12 +157,13 @@ class SimulatedRunner:
 
 
 def simulated_engine(num_blocks: int, block_size: int, max_model_len: int, *, preemption_mode: str = "recompute",
-                     num_cpu_blocks: int = 0, max_num_seqs: int = 1024) -> LLMEngine:
+                     num_cpu_blocks: int = 0, max_num_seqs: int = 1024,
+                     max_num_batched_tokens: int | None = None) -> LLMEngine:
     """Stage 7's engine with stage 6's scheduler over ``num_blocks`` blocks, and a ``SimulatedRunner``."""
     cpu_allocator = RefCountedBlockAllocator(num_cpu_blocks) if num_cpu_blocks else None
     manager = SwapBlockSpaceManager(RefCountedBlockAllocator(num_blocks), block_size, cpu_allocator)
     scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          preemption_mode=preemption_mode)
+                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
     return LLMEngine(scheduler, SimulatedRunner(), Sampler(), vocab_size=SimulatedRunner.vocab_size)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minipaged.stage0_contiguous import CacheUsage
@@ -160,13 +161,16 @@ class BlockSpaceManager:
             ids, end = table.block_ids, table.num_tokens
             slots += [ids[p // size] * size + p % size for p in range(end - n, end)]
         # END SOLUTION
-        return torch.tensor(slots, dtype=torch.int64)
+        return torch.from_numpy(np.array(slots, dtype=np.int64))
 
     def block_tables_tensor(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 ``(num_seqs, max_blocks_per_seq)``; entries past a sequence's blocks are 0."""
         tables = [self.table(s).block_ids for s in seq_ids]
-        width = max(map(len, tables), default=0)
-        return torch.tensor([ids + [0] * (width - len(ids)) for ids in tables], dtype=torch.int32).view(-1, width)
+        width, flat = max(map(len, tables), default=0), []
+        for ids in tables:  # one flat list, padded, then one conversion: no tensor per row
+            flat += ids
+            flat += [0] * (width - len(ids))
+        return torch.from_numpy(np.array(flat, dtype=np.int32)).view(len(tables), width)
 
     def usage(self) -> CacheUsage:
         """Stage 0's breakdown for the paged cache: internal = the slack in last blocks.
@@ -230,15 +234,26 @@ class PagedKVCache:
 
     def gather(self, layer: int, block_table: Sequence[int] | torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, read through its table."""
-        # BEGIN SOLUTION index the blocks in logical order, flatten, keep seq_len tokens
-        num_blocks = -(-seq_len // self.block_size)
-        ids = torch.as_tensor(block_table, dtype=torch.int64)[:num_blocks]
-        if ids.numel() < num_blocks:
-            raise ValueError(f"seq_len {seq_len} needs {num_blocks} blocks; the table has {ids.numel()}")
-        keys = self.key_cache[layer][ids].flatten(0, 1)[:seq_len]  # (seq_len, kv_heads, dim)
-        values = self.value_cache[layer][ids].flatten(0, 1)[:seq_len]
-        return keys, values
-        # END SOLUTION
+        table = torch.as_tensor(block_table, dtype=torch.int64, device=self.key_cache[layer].device)
+        if table.numel() < -(-seq_len // self.block_size):
+            raise ValueError(f"seq_len {seq_len} needs {-(-seq_len // self.block_size)} blocks; the table has {table.numel()}")
+        return gather_kv(self.key_cache[layer], self.value_cache[layer], table, seq_len)
 
 
-__all__ = ["BlockTable", "BlockSpaceManager", "PagedKVCache", "OutOfBlocksError"]
+def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, in logical order.
+
+    ``key_cache``/``value_cache``: one layer, ``(num_blocks, block_size, num_kv_heads, head_dim)``;
+    ``block_table``: the sequence's block ids (entries past its blocks are ignored).
+    """
+    # BEGIN SOLUTION index the blocks in logical order, flatten blocks x slots, keep seq_len tokens
+    num_blocks = -(-seq_len // key_cache.shape[1])
+    ids = block_table[:num_blocks].long()
+    keys = key_cache[ids].flatten(0, 1)[:seq_len]  # (num_blocks * block_size, kv_heads, dim) -> (seq_len, ...)
+    values = value_cache[ids].flatten(0, 1)[:seq_len]
+    return keys, values
+    # END SOLUTION
+
+
+__all__ = ["BlockTable", "BlockSpaceManager", "PagedKVCache", "OutOfBlocksError", "gather_kv"]

@@ -3,7 +3,8 @@
 Stages 1–3 decided *where* K/V live: in blocks scattered over the cache, found through
 each sequence's block table. Attention must now read them from there. This stage does it
 the plainest way: for each sequence, gather its blocks in logical order into contiguous
-K/V, then run stage 0's ``dense_attention``. Decode steps (one query per sequence) do the
+K/V (stage 2's ``gather_kv``, the one read path of the paged cache), then run stage 0's
+``dense_attention``. Decode steps (one query per sequence) do the
 same gather for the whole batch in one indexing operation, padded to the longest
 sequence and masked, so that the engine does not loop over sequences in Python. It copies
 every K/V it reads, so it is slower than a kernel, but obviously right: it is the
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.stage0_contiguous import dense_attention
+from minipaged.stage2_block_table import gather_kv
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -97,20 +99,6 @@ def check_paged_attention_args(
     if ids.numel() and bool(((ids < 0) | (ids >= num_blocks)).any()):
         _fail("block_tables", f"block ids in 0 .. {num_blocks - 1} for the blocks in use",
               sorted(set(ids[(ids < 0) | (ids >= num_blocks)].tolist())))
-
-
-def gather_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, in logical order."""
-    # BEGIN SOLUTION index the sequence's blocks, flatten blocks x slots, keep seq_len tokens
-    block_size = key_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    ids = block_table[:num_blocks].long()
-    keys = key_cache[ids].flatten(0, 1)[:seq_len]  # (num_blocks * block_size, kv_heads, dim)
-    values = value_cache[ids].flatten(0, 1)[:seq_len]
-    return keys, values
-    # END SOLUTION
 
 
 def decode_attention_batched(

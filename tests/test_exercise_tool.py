@@ -152,6 +152,21 @@ def test_workspace_refuses_to_overwrite_and_rejects_unknown_stages(tmp_path):
         make_workspace(99, tmp_path / "other")
 
 
+def test_force_replaces_only_a_workspace_it_wrote(tmp_path):
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "mine.py").write_text("my work")
+    with pytest.raises(FileExistsError):
+        make_workspace(0, tmp_path / "ws", force=True)  # a folder of the user's: left alone
+    assert (tmp_path / "ws" / "mine.py").read_text() == "my work"
+    with pytest.raises(FileExistsError):
+        make_workspace(0, REPO_DIR, force=True)  # the checkout itself
+    assert (REPO_DIR / "minipaged" / "stage0_contiguous.py").exists()
+    workspace = make_workspace(1, tmp_path / "ex")
+    (workspace / "minipaged" / "stage1_block_allocator.py").write_text("# an attempt")
+    make_workspace(1, workspace, force=True)  # its own workspace: replaced, fresh stubs
+    assert "NotImplementedError" in (workspace / "minipaged" / "stage1_block_allocator.py").read_text()
+
+
 def test_cli_writes_a_workspace_and_grades_it(tmp_path):
     out = tmp_path / "ex0"
     cli = [sys.executable, "-m", "minipaged.cli"]

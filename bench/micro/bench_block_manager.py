@@ -8,14 +8,15 @@ import pytest
 
 from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import BlockSpaceManager
-from minipaged.stage3_copy_on_write import CowBlockSpaceManager
+from minipaged.stage3_copy_on_write import CowBlockSpaceManager, RefCountedBlockAllocator
+from minipaged.stage6_scheduler import SwapBlockSpaceManager
 
 
 def test_allocate_free_one_block(benchmark):
     allocator = BlockAllocator(4096)
 
     def cycle():
-        allocator.free(allocator.allocate())
+        allocator.free(allocator.allocate()[0])
 
     benchmark(cycle)
 
@@ -24,7 +25,7 @@ def test_allocate_free_4096_blocks(benchmark):
     allocator = BlockAllocator(4096)
 
     def cycle():
-        ids = [allocator.allocate() for _ in range(4096)]
+        ids = [allocator.allocate()[0] for _ in range(4096)]
         for block_id in ids:
             allocator.free(block_id)
 
@@ -33,8 +34,8 @@ def test_allocate_free_4096_blocks(benchmark):
 
 def test_append_slot_1024_tokens(benchmark):
     def grow():
-        manager = BlockSpaceManager(1024, 16)
-        manager.allocate("s", 1)
+        manager = BlockSpaceManager(BlockAllocator(1024), 16)
+        manager.allocate("s", [1])
         for _ in range(1023):
             manager.append_slot("s")
         return manager
@@ -44,8 +45,8 @@ def test_append_slot_1024_tokens(benchmark):
 
 def test_fork_and_free_a_tree_of_64(benchmark):
     def tree():
-        manager = CowBlockSpaceManager(4096, 16)
-        manager.allocate(0, 512)
+        manager = CowBlockSpaceManager(RefCountedBlockAllocator(4096), 16)
+        manager.allocate(0, range(512))
         for child in range(1, 64):
             manager.fork(child // 2, child)
         for seq_id in range(63, -1, -1):
@@ -57,9 +58,32 @@ def test_fork_and_free_a_tree_of_64(benchmark):
 
 @pytest.mark.parametrize("tokens_each", [1, 64], ids=["decode", "prefill64"])
 def test_slot_mapping_for_256_sequences(benchmark, tokens_each):
-    manager = BlockSpaceManager(256 * 32, 16)
+    manager = BlockSpaceManager(BlockAllocator(256 * 32), 16)
     seq_ids = list(range(256))
     for seq_id in seq_ids:
-        manager.allocate(seq_id, 300 + seq_id)
+        manager.allocate(seq_id, range(300 + seq_id))
     mapping = benchmark(manager.slot_mapping, seq_ids, [tokens_each] * 256)
     assert mapping.numel() == 256 * tokens_each
+
+
+def decode_steps(manager, seq_ids, steps=256):
+    """What every decode step asks of the block manager: a slot per sequence, then the batch's
+    slot mapping and block tables."""
+    for _ in range(steps):
+        for seq_id in seq_ids:
+            manager.append_slot(seq_id)
+        manager.slot_mapping(seq_ids, [1] * len(seq_ids))
+        manager.block_tables_tensor(seq_ids)
+
+
+def test_256_decode_steps_of_256_sequences(benchmark):
+    """The engine's manager (stage 6, copy-on-write checks included): 256 sequences, block size 16."""
+    def run():
+        manager = SwapBlockSpaceManager(RefCountedBlockAllocator(256 * 64), 16)
+        seq_ids = list(range(256))
+        for seq_id in seq_ids:
+            manager.allocate(seq_id, range(100 + seq_id))
+        decode_steps(manager, seq_ids)
+        return manager
+
+    assert benchmark.pedantic(run, rounds=3, iterations=1).num_free_blocks < 256 * 64
