@@ -22,8 +22,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minipaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
-from minipaged.stage7_engine import LLM as UnsharedLLM  # noqa: E402
 from minipaged.simulate import synthetic_requests  # noqa: E402
+from minipaged.stage7_engine import LLM as UnsharedLLM  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TRACES = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}

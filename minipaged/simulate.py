@@ -174,11 +174,14 @@ def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 1
     Each step: arrivals are added to the engine, and ``LLMEngine.step`` runs: stage 6's
     scheduler decodes the running requests (preempting the newest when a block is
     missing), admits waiting ones whose prompt blocks are free, and a model-free runner
-    stands in for the model. The usage of the blocks is sampled after every step.
+    stands in for the model. The token budget is the whole cache, so that memory alone
+    limits the batch. The usage of the blocks is sampled after every step, as the
+    forward pass would hold them.
     """
     max_model_len = max(r.prompt_len + r.output_len for r in requests)
     engine = simulated_engine(num_blocks, block_size, max_model_len, preemption_mode=preemption_mode,
-                              num_cpu_blocks=num_cpu_blocks, max_num_seqs=max(len(requests), 1))
+                              num_cpu_blocks=num_cpu_blocks, max_num_seqs=max(len(requests), 1),
+                              max_num_batched_tokens=max(num_blocks * block_size, max_model_len))  # memory alone limits
     scheduler, manager = engine.scheduler, engine.scheduler.block_manager
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     totals: dict = {}
