@@ -65,12 +65,26 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def pack_fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenate the checkpoint's q/k/v and gate/up weights (and biases) into the fused modules."""
+    for fused, parts in PACKED.items():
+        for key in [k for k in state if f".{parts[0]}." in k]:
+            prefix, suffix = key.split(f".{parts[0]}.")  # e.g. "model.layers.0.self_attn", "weight"
+            names = [f"{prefix}.{part}.{suffix}" for part in parts]
+            if all(name in state for name in names):
+                state[f"{prefix}.{fused}.{suffix}"] = torch.cat([state.pop(name) for name in names])
+    return state
+
+
 def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
     """The model of a local Hugging Face folder, in eval mode: ``(module, ModelConfig)``."""
     path = resolve_model_path(model)
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     module = build_model(config)
-    state = {k: v for k, v in _state_dict(path).items() if not k.endswith(IGNORED_SUFFIXES)}
+    state = pack_fused({k: v for k, v in _state_dict(path).items() if not k.endswith(IGNORED_SUFFIXES)})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     prefix = "transformer." if config.model_type == "gpt2" else "model."
@@ -85,7 +99,6 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: 
     module = module.to(device=device, dtype=resolve_dtype(dtype)).eval()
     if hasattr(module, "inv_freq"):  # RoPE frequencies stay float32, as in transformers
         module.inv_freq = config.inv_freq().to(device)
-    module.fuse()
     return module, config
 
 

@@ -46,9 +46,10 @@ class ModelConfig:
         if model_type == "gpt2":
             hidden, heads = hf["n_embd"], hf["n_head"]
             return cls(
-                model_type, hf["vocab_size"], hidden, hf["n_layer"], heads, heads, hidden // heads,
-                hf.get("n_inner") or 4 * hidden, hf["n_positions"], hf.get("layer_norm_epsilon", 1e-5),
-                hidden_act=hf.get("activation_function", "gelu_new"),
+                model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["n_layer"],
+                num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                intermediate_size=hf.get("n_inner") or 4 * hidden, max_position_embeddings=hf["n_positions"],
+                norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("activation_function", "gelu_new"),
                 tie_word_embeddings=hf.get("tie_word_embeddings", True), qkv_bias=True, o_bias=True,
                 mlp_bias=True, eos_token_ids=eos_ids,
             )
@@ -63,9 +64,10 @@ class ModelConfig:
         window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None
         attention_bias = hf.get("attention_bias", False)
         return cls(
-            model_type, hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"], heads,
-            hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hf["hidden_size"] // heads,
-            hf["intermediate_size"], hf.get("max_position_embeddings", 2048), hf.get("rms_norm_eps", 1e-6),
+            model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
             hidden_act=hf.get("hidden_act", "silu"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias,

@@ -6,7 +6,9 @@ new tokens' K/V into the paged cache through ``slot_mapping`` (stage 2's ``write
 (stage 4's ``paged_attention_ref`` or stage 5's ``paged_attention_triton``), which reads
 each sequence's context through its block table. Prefills and decodes share one batch.
 
-Module and parameter names follow Hugging Face's, so a checkpoint loads as it is.
+Module and parameter names follow Hugging Face's, except that the projections which read
+the same input are declared fused, as in vLLM: ``qkv_proj`` (q, k, v) and ``gate_up_proj``
+(gate, up); the loader packs a checkpoint's separate weights into them.
 """
 
 from __future__ import annotations
@@ -73,42 +75,20 @@ def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: 
                         scale=scale, query_start_loc=meta.query_start_loc, validate=meta.validate)
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of linear layers that read the same input.
-
-    Each layer's weight then views its slice of the fused tensor, so no weight is held twice.
-    """
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if linears[0].bias is not None else None
-    start = 0
-    for linear in linears:
-        rows = slice(start, start + linear.out_features)
-        linear.weight.data = weight[rows]
-        if bias is not None:
-            linear.bias.data = bias[rows]
-        start = rows.stop
-    return weight, bias
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        # q, k and v in one matmul (vLLM's qkv_proj); the loader packs Hugging Face's q/k/v_proj into it
+        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
 
-    def fuse(self) -> None:
-        """One matmul for q, k and v (vLLM's ``qkv_proj``)."""
-        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-
     def forward(self, x, cos, sin, cache, layer, meta):  # x: (num_tokens, hidden)
         c = self.c
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
         q = q.reshape(-1, c.num_heads, c.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -123,17 +103,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        # gate and up in one matmul (vLLM's gate_up_proj); the loader packs gate_proj and up_proj into it
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.act = activation(c.hidden_act)
 
-    def fuse(self) -> None:
-        """One matmul for gate and up (vLLM's ``gate_up_proj``)."""
-        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
-
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -183,12 +159,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def fuse(self) -> None:
-        """Concatenate the weights that share an input, once the checkpoint is loaded."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
 
 
 class Conv1D(nn.Module):
@@ -248,9 +218,6 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def fuse(self) -> None:
-        """GPT-2 already stores q, k and v in one matrix."""
 
 
 def build_model(c: ModelConfig) -> nn.Module:
