@@ -38,11 +38,13 @@ from tqdm.auto import tqdm
 
 from minipaged.models import (
     AttentionMetadata,
+    load_config,
     load_model,
     load_tokenizer,
     resolve_dtype,
     resolve_model_path,
 )
+from minipaged.sampling_params import CompletionOutput, RequestOutput, SamplingParams, check_int
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import (
@@ -56,59 +58,6 @@ from minipaged.stage6_scheduler import (
 )
 
 BACKENDS = ("ref", "triton")
-
-
-def _check_int(name: str, value, low: int, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}{' or None' if allow_none else ''}, got {value!r}")
-
-
-@dataclass
-class SamplingParams:
-    """How to generate: vLLM's names. ``temperature=0`` is greedy; ``top_k=-1`` keeps every token."""
-
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # also return the top-k log-probabilities of each step
-
-    def __post_init__(self) -> None:
-        _check_int("SamplingParams.n", self.n, 1)
-        _check_int("SamplingParams.max_tokens", self.max_tokens, 1)
-        _check_int("SamplingParams.logprobs", self.logprobs, 0, allow_none=True)
-        _check_int("SamplingParams.seed", self.seed, 0, allow_none=True)
-        if self.top_k != -1:
-            _check_int("SamplingParams.top_k", self.top_k, 1)
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float
-    finish_reason: str | None  # "stop" (an end or stop token), "length", or "abort"
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
 
 
 @dataclass(eq=False)
@@ -359,13 +308,13 @@ class LLM:
                  max_model_len: int | None = None, preemption_mode: str = "recompute", max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, attention_backend: str = "ref",
                  dtype: str | torch.dtype = "float32", device: str = "cpu", seed: int = 0) -> None:
-        _check_int("block_size", block_size, 1)
-        _check_int("num_gpu_blocks", num_gpu_blocks, 1, allow_none=True)
-        _check_int("num_cpu_blocks", num_cpu_blocks, 0, allow_none=True)
-        _check_int("max_model_len", max_model_len, 1, allow_none=True)
-        _check_int("max_num_seqs", max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, allow_none=True)
-        _check_int("kv_cache_memory", kv_cache_memory, 1)
+        check_int("block_size", block_size, 1)
+        check_int("num_gpu_blocks", num_gpu_blocks, 1, allow_none=True)
+        check_int("num_cpu_blocks", num_cpu_blocks, 0, allow_none=True)
+        check_int("max_model_len", max_model_len, 1, allow_none=True)
+        check_int("max_num_seqs", max_num_seqs, 1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, allow_none=True)
+        check_int("kv_cache_memory", kv_cache_memory, 1)
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: expected one of {BACKENDS}, got {attention_backend!r}")
         if preemption_mode not in ("recompute", "swap"):
@@ -377,7 +326,7 @@ class LLM:
             backend = paged_attention_triton
         path = resolve_model_path(model)
         self.dtype, self.device = resolve_dtype(dtype), torch.device(device)
-        c = self.config = _read_config(path)
+        c = self.config = load_config(path)
         if max_model_len is not None and max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's {c.max_position_embeddings} positions")
         if num_gpu_blocks is None:
@@ -452,8 +401,3 @@ class LLM:
             raise
         return [done[i] for i in ids]
 
-
-def _read_config(path):
-    from minipaged.models import ModelConfig
-
-    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))

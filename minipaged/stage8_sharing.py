@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipaged.sampling_params import SamplingParams, check_int
 from minipaged.stage6_scheduler import SequenceStatus
 from minipaged.stage7_engine import LLM as EngineLLM
 from minipaged.stage7_engine import (
     LLMEngine,
     Request,
     SampledSequence,
-    SamplingParams,
-    _check_int,
     sample,
 )
 
@@ -51,8 +50,8 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("BeamSearchParams.beam_width", self.beam_width, 1)
-        _check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
+        check_int("BeamSearchParams.beam_width", self.beam_width, 1)
+        check_int("BeamSearchParams.max_tokens", self.max_tokens, 1)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 

@@ -23,7 +23,7 @@ TINY_MODEL_DIR = Path(__file__).parent / "tiny"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
-__all__ = ["AttentionMetadata", "ModelConfig", "TINY_MODEL_DIR", "load_model", "load_tokenizer",
+__all__ = ["AttentionMetadata", "ModelConfig", "TINY_MODEL_DIR", "load_config", "load_model", "load_tokenizer",
            "resolve_model_path", "resolve_dtype"]
 
 
@@ -79,10 +79,15 @@ def pack_fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_config(model: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a local Hugging Face folder (``config.json``), without its weights."""
+    return ModelConfig.from_hf(json.loads((resolve_model_path(model) / "config.json").read_text()))
+
+
 def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
     """The model of a local Hugging Face folder, in eval mode: ``(module, ModelConfig)``."""
     path = resolve_model_path(model)
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    config = load_config(path)
     module = build_model(config)
     state = pack_fused({k: v for k, v in _state_dict(path).items() if not k.endswith(IGNORED_SUFFIXES)})
     if config.tie_word_embeddings:
