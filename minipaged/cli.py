@@ -69,7 +69,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Where the memory goes: {len(requests)} ShareGPT-like requests (mean prompt "
           f"{sum(r.prompt_len for r in requests) / len(requests):.0f}, mean output "
           f"{sum(r.output_len for r in requests) / len(requests):.0f} tokens), first come first served, in "
-          f"{args.slots} token slots: contiguous slabs (stage 0) vs blocks of 16 (stage 2), simulated:\n")
+          f"{args.slots} token slots: contiguous slabs (stage 0) vs blocks of 16 served by the real engine loop and\n"
+          f"scheduler (stages 6-7) with a runner that has no model:\n")
     results = [simulate_contiguous(requests, p, args.slots, 2048) for p in ("max", "pow2", "oracle")]
     results.append(simulate_paged(requests, args.slots // 16, 16))
     print(format_usage_table(results))
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as err:
         print(f"minipaged {args.command}: {err}", file=sys.stderr)
         return 2
 

@@ -325,13 +325,13 @@ class Scheduler:
                     out.scheduled.append((seq, 1))
                 out.scheduled_groups.append(group)
                 i += 1
-        budget = self.max_num_batched_tokens - len(out.scheduled)
+        budget, num_seqs = self.max_num_batched_tokens - len(out.scheduled), self._num_running_seqs()
         watermark = self.watermark_blocks if self.running else 0  # nothing can free blocks: no watermark
         while not out.preempted and self.swapped:  # 2. swap in, oldest first
             group = self.swapped[0]
             seqs = group.seqs_with(SequenceStatus.SWAPPED)
             ids = [s.seq_id for s in seqs]
-            if (len(seqs) > budget or self._num_running_seqs() + group.max_num_running_seqs() > self.max_num_seqs
+            if (len(seqs) > budget or num_seqs + group.max_num_running_seqs() > self.max_num_seqs
                     or not manager.can_swap_in(ids, watermark)):
                 break
             pairs = manager.swap_in(ids)
@@ -341,21 +341,20 @@ class Scheduler:
             for seq in seqs:
                 manager.append_slot(seq.seq_id)
             self._run(group, [(s, 1) for s in seqs], out)
-            budget -= len(seqs)
-            watermark = self.watermark_blocks
+            budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks
         while not out.preempted and not self.swapped and self.waiting:  # 3. admit, oldest first
             group = self.waiting[0]
             seqs = group.seqs_with(SequenceStatus.WAITING)
             needed = sum(manager.blocks_needed(len(s)) for s in seqs)
             if (sum(len(s) for s in seqs) > budget or needed + watermark > manager.num_free_blocks
-                    or self._num_running_seqs() + group.max_num_running_seqs() > self.max_num_seqs):
+                    or num_seqs + group.max_num_running_seqs() > self.max_num_seqs):
                 break
             for seq in seqs:
                 seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.token_ids)
             self.waiting.pop(0)
             self._run(group, [(s, len(s) - s.num_computed_tokens) for s in seqs], out)
             budget -= sum(n for _, n in out.scheduled[-len(seqs):])
-            watermark = self.watermark_blocks
+            num_seqs, watermark = num_seqs + group.max_num_running_seqs(), self.watermark_blocks
         # END SOLUTION
         out.blocks_to_copy = manager.take_copies()
         self.peak_blocks_used = max(self.peak_blocks_used, manager.num_total_blocks - manager.num_free_blocks)
