@@ -346,7 +346,8 @@ class Scheduler:
             group = self.waiting[0]
             seqs = group.seqs_with(SequenceStatus.WAITING)
             needed = sum(manager.blocks_needed(len(s)) for s in seqs)
-            if (sum(len(s) for s in seqs) > budget or needed + watermark > manager.num_free_blocks
+            too_many_tokens = sum(len(s) for s in seqs) > budget and out.scheduled  # alone, a group may exceed it
+            if (too_many_tokens or needed + watermark > manager.num_free_blocks
                     or num_seqs + group.max_num_running_seqs() > self.max_num_seqs):
                 break
             for seq in seqs:

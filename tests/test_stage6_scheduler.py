@@ -223,3 +223,13 @@ def test_abort_frees_a_request_wherever_it_is(where):
     assert manager.num_free_blocks == 12 and manager.cpu_allocator.num_free_blocks == 12
     seq = add(scheduler, [1] * 8, 4)
     assert scheduler.schedule().scheduled == [(seq, 8)]  # and the scheduler goes on
+
+
+def test_a_recomputed_group_larger_than_the_token_budget_runs_alone():
+    scheduler, _ = make(64, max_model_len=16, max_num_batched_tokens=16)
+    group = fork_group(scheduler, [1] * 10, width=4, max_tokens=6)  # 4 sequences of 11 tokens
+    preempt(scheduler, group)  # recompute: 44 tokens to prefill again, more than the budget of 16
+    other = add(scheduler, [2] * 4, 2)
+    out = scheduler.schedule()
+    assert out.scheduled_groups == [group] and sum(n for _, n in out.scheduled) == 44
+    assert other.status is SequenceStatus.WAITING  # nothing joins a batch already over budget
