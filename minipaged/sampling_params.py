@@ -47,7 +47,7 @@ class SamplingParams:
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
+    text: str  # decoded when the request finishes
     token_ids: list[int]
     cumulative_logprob: float
     finish_reason: str | None  # "stop" (an end or stop token), "length", or "abort"

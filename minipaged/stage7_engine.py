@@ -272,11 +272,13 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def output(self, request: Request) -> RequestOutput:
-        outputs = [CompletionOutput(i, self.text(s.output_token_ids), list(s.output_token_ids), s.cumulative_logprob,
-                                    s.finish_reason, s.logprobs if request.params.logprobs is not None else None)
+        """The request's tokens so far; the text is decoded once it is finished (not every step)."""
+        done = request.is_finished()
+        outputs = [CompletionOutput(i, self.text(s.output_token_ids) if done else "", list(s.output_token_ids),
+                                    s.cumulative_logprob, s.finish_reason,
+                                    s.logprobs if request.params.logprobs is not None else None)
                    for i, s in enumerate(request.seqs)]
-        return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs,
-                             request.is_finished())
+        return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs, done)
 
     def _count(self, out: SchedulerOutput) -> None:
         usage = self.scheduler.block_manager.usage()
