@@ -1,9 +1,9 @@
 """What does a preemption cost: swapping or recomputing? (the vLLM paper's Figure 19)
 
-For one preempted sequence of 1,024 tokens of the tiny model, across block sizes 1 to 256:
+For one preempted sequence of 512 tokens of the tiny model (its whole position table), across block sizes 1 to 256:
 
 * swap: ``swap_out`` then ``swap_in`` of its blocks (stage 6's block manager and cache);
-* recompute: the prefill of its 1,024 tokens through the engine's forward pass.
+* recompute: the prefill of its 512 tokens through the engine's forward pass.
 
 What a CPU-only run can show: the recompute cost, and how the number of block copies grows
 as blocks shrink. What it cannot: the real cost of swapping, which on a GPU crosses the
@@ -30,7 +30,7 @@ from minipaged.stage6_scheduler import SchedulerOutput, Sequence, SwapBlockSpace
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-TOKENS = 1024
+TOKENS = 512  # the tiny model's whole position table
 
 
 def best_of(fn, repeats: int) -> float:
@@ -43,9 +43,9 @@ def best_of(fn, repeats: int) -> float:
 
 
 def measure(size: int, device: str, repeats: int) -> dict:
-    """Time one swap round trip and one recomputation of a 1,024-token sequence."""
+    """Time one swap round trip and one recomputation of a 512-token sequence."""
     blocks = TOKENS // size
-    llm = LLM("tiny", num_gpu_blocks=blocks + 1, block_size=size, max_model_len=TOKENS + size,
+    llm = LLM("tiny", num_gpu_blocks=blocks + 1, block_size=size, max_model_len=TOKENS,
               preemption_mode="swap", device=device)
     manager: SwapBlockSpaceManager = llm.scheduler.block_manager
     seq = Sequence(list(range(1, TOKENS + 1)))
