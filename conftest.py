@@ -22,9 +22,10 @@ from hypothesis import settings  # noqa: E402
 
 import minipaged  # noqa: E402
 
-# In CI, property-based tests draw the same examples every run: a red build can be replayed.
+# In CI and in exercise workspaces, property-based tests draw the same examples every run:
+# a red build can be replayed, and the same code always gets the same grade.
 settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
+if os.environ.get("CI") or (ROOT / ".minipaged-exercise").is_file():
     settings.load_profile("ci")
 
 if Path(minipaged.__file__).resolve().parent != ROOT / "minipaged":

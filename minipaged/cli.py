@@ -13,15 +13,25 @@ def _exercise(args: argparse.Namespace) -> int:
     out = Path(args.out or f"minipaged-exercise-{args.stage}")
     workspace = make_workspace(args.stage, out, force=args.force)
     print(f"Exercise {args.stage} written to {workspace}.")
-    print(f"Fill in the stubs, then run: cd {workspace} && pytest -k stage{args.stage}")
+    print(f"Fill in the stubs, then run: cd {workspace} && {sys.executable} -m pytest -k stage{args.stage}")
+    print(f"Grade every stage: {sys.executable} -m minipaged.cli grade {workspace}  (one stage: --stage {args.stage})")
     return 0
 
 
+def _mutants(args: argparse.Namespace) -> int:
+    from minipaged.mutants import format_mutants, run_mutants
+
+    results = run_mutants(args.stage, progress=lambda r: print(
+        f"  stage {r.mutant.stage}: {r.mutant.name}: {r.killed_by or 'SURVIVED'}", file=sys.stderr, flush=True))
+    print(format_mutants(results))
+    return 0 if all(r.killed for r in results) else 1
+
+
 def _grade(args: argparse.Namespace) -> int:
-    from minipaged.exercise import format_grades, grade
+    from minipaged.exercise import edited_stage, format_grades, grade
 
     rows = grade(Path(args.directory), args.stage)
-    print(format_grades(rows))
+    print(format_grades(rows, edited_stage(Path(args.directory))))
     return 0 if rows and all(r.status == "complete" for r in rows) else 1
 
 
@@ -105,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", nargs="?", default=".")
     p.add_argument("--stage", type=int, action="append", help="grade only this stage (repeatable)")
     p.set_defaults(run=_grade)
+
+    p = sub.add_parser("mutants", help="prove that each stage's tests catch its plausible wrong implementations")
+    p.add_argument("--stage", type=int, action="append", help="only this stage's mutants (repeatable)")
+    p.set_defaults(run=_mutants)
 
     p = sub.add_parser("generate", help="generate text with a model")
     p.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model folder")

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
@@ -103,11 +103,8 @@ def stub_source(source: str, stage: int, tutorial: str, filename: str = "<source
     return stubbed
 
 
-def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = REPO_DIR) -> Path:
-    """Write an exercise workspace for ``stage`` into ``out`` and return it."""
-    files = stage_files(repo_dir / "minipaged")
-    if stage not in files:
-        raise ValueError(f"no stage {stage}; stages available: {sorted(files)}")
+def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) -> Path:
+    """Copy the package, the stage tests, the tutorials and the docs into ``out``: a workspace."""
     tests_dir = repo_dir / "tests"
     if not tests_dir.is_dir():
         raise FileNotFoundError(
@@ -130,18 +127,43 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
             shutil.copy2(path, out / "tests" / path.name)
     for name in ("conftest.py", "pyproject.toml"):
         shutil.copy2(repo_dir / name, out / name)
+    for folder in ("tutorials", "docs"):  # what the stubs and the README point to
+        if (repo_dir / folder).is_dir():
+            shutil.copytree(repo_dir / folder, out / folder, ignore=shutil.ignore_patterns("tutorials", ".*"))
+    (out / WORKSPACE_MARK).write_text("workspace\n")
+    return out
+
+
+def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = REPO_DIR) -> Path:
+    """Write an exercise workspace for ``stage`` into ``out``: stage ``stage``'s solutions are stubs."""
+    files = stage_files(repo_dir / "minipaged")
+    if stage not in files:
+        raise ValueError(f"no stage {stage}; stages available: {sorted(files)}")
+    out = copy_workspace(out, repo_dir, force)
     target = out / "minipaged" / files[stage].name
     tutorial = tutorial_for(stage, repo_dir)
     target.write_text(stub_source(target.read_text(), stage, tutorial, str(files[stage])))
     (out / "README.md").write_text(
         f"# Exercise {stage}\n\n"
         f"Fill in every `NotImplementedError` in `minipaged/{files[stage].name}`.\n"
-        f"{tutorial} explains the ideas.\n\n"
-        f"Check your work from this folder with `pytest -k stage{stage}`, or see every\n"
-        f"stage at once with `minipaged grade .`.\n"
+        f"{tutorial} explains the ideas; docs/stages/ and docs/exercises.md say what each stub must do.\n\n"
+        f"Check your work from this folder with `{_python()} -m pytest -k stage{stage}`,\n"
+        f"or see every stage at once with `{_python()} -m minipaged.cli grade . --stage {stage}`\n"
+        f"(without `--stage`, every stage).\n"
     )
     (out / WORKSPACE_MARK).write_text(f"stage {stage}\n")
     return out
+
+
+def edited_stage(directory: Path) -> int | None:
+    """The stage whose stubs a workspace was written with, if it is one."""
+    mark = Path(directory) / WORKSPACE_MARK
+    words = mark.read_text().split() if mark.is_file() else []
+    return int(words[1]) if len(words) == 2 and words[0] == "stage" and words[1].isdigit() else None
+
+
+def _python() -> str:
+    return sys.executable
 
 
 @dataclass
@@ -150,6 +172,7 @@ class StageResult:
     passed: int
     failed: int
     skipped: int
+    failures: list[str] = field(default_factory=list)  # the failing tests, by node id
 
     @property
     def total(self) -> int:
@@ -183,16 +206,32 @@ def grade(directory: Path, stages: list[int] | None = None) -> list[StageResult]
     selected = range(10) if not stages else stages
     results = run_tests(directory, "-m", " or ".join(f"stage{n}" for n in selected))
     by_stage: dict[int, StageResult] = {}
-    for record in results.values():
+    for nodeid, record in results.items():
         for stage in record["stages"]:
             row = by_stage.setdefault(stage, StageResult(stage, 0, 0, 0))
             setattr(row, record["outcome"], getattr(row, record["outcome"]) + 1)
+            if record["outcome"] == "failed":
+                row.failures.append(nodeid)
     return [by_stage[s] for s in sorted(by_stage)]
 
 
-def format_grades(rows: list[StageResult]) -> str:
-    """The grade table, one row per stage."""
+def format_grades(rows: list[StageResult], edited: int | None = None, show: int = 5) -> str:
+    """The grade table, one row per stage, each stage's failing tests under it, and the likely cause.
+
+    ``edited``: the stage the learner works on. When another stage fails too, the lowest
+    failing stage is named as the likely cause: every stage builds on the ones below it.
+    """
     lines = [f"{'stage':<6} {'passed':>10}  status", "-" * 32]
     for row in rows:
         lines.append(f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}  {row.status}")
+        for nodeid in row.failures[:show]:
+            lines.append(f"{'':<8}failed: {nodeid}")
+        if len(row.failures) > show:
+            lines.append(f"{'':<8}... and {len(row.failures) - show} more")
+    failing = [row.stage for row in rows if row.failures]
+    if failing and edited is not None and any(stage != edited for stage in failing):
+        lowest = min(failing)
+        cause = "your stage" if lowest == edited else "a stage below yours, which you did not edit"
+        lines.append(f"likely cause: stage {lowest} ({cause}); every stage builds on the ones below it, "
+                     f"so fix the lowest failing stage first")
     return "\n".join(lines)

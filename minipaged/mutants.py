@@ -1,0 +1,251 @@
+"""The mutant catalogue: plausible wrong implementations of every stage, and proof that the
+tests catch each one.
+
+A mutant is what a learner might write instead of the solution: an off-by-one, a missing
+``incref``, a missed copy-on-write, a scheduler that admits while something waits in swap.
+Each is kept as a small patch — one or more ``(old, new)`` replacements, every ``old``
+inside a solution region of its stage's file. ``run_mutants`` copies the package and the
+tests once per stage, applies each mutant in turn, runs that stage's tests until the first
+failure, and reports which test killed it. A mutant that no test kills is a hole in the
+specification: ``minipaged mutants`` exits non-zero and names it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from minipaged.exercise import REPO_DIR, copy_workspace, solution_regions, stage_files
+
+TIMEOUT_S = 600  # a mutant that makes the tests hang counts as killed, by the timeout
+
+
+@dataclass(frozen=True)
+class Mutant:
+    stage: int
+    name: str
+    patches: tuple[tuple[str, str], ...]  # (old, new): each old occurs once, inside a solution region
+
+
+def m(stage: int, name: str, *patches: tuple[str, str]) -> Mutant:
+    return Mutant(stage, name, tuple(patches))
+
+
+CATALOGUE: list[Mutant] = [
+    # stage 0: the contiguous cache
+    m(0, "pow2 rounds down", ("return min(1 << (need - 1).bit_length(), self.max_model_len)",
+                              "return min(1 << (need.bit_length() - 1), self.max_model_len)")),
+    m(0, "oracle reserves the prompt only", ("        return need\n", "        return prompt_len\n")),
+    m(0, "the last hole is forgotten", ("        if cursor < self.num_slots:", "        if False:")),
+    m(0, "best fit would need a smaller hole", ("return any(length >= size for _, length in self.holes())",
+                                               "return any(length > size for _, length in self.holes())")),
+    m(0, "append returns the slot after", ("return torch.arange(first, first + num_tokens, dtype=torch.int64)",
+                                          "return torch.arange(first + 1, first + num_tokens + 1, dtype=torch.int64)")),
+    m(0, "internal counts the reserved slots too", ("internal = sum(s.size - max(s.need, s.num_tokens) for s in self.slabs.values())",
+                                                   "internal = sum(s.size - s.num_tokens for s in self.slabs.values())")),
+    m(0, "the causal mask is shifted by one", ("scores = scores.masked_fill(k_pos > q_pos, float(\"-inf\"))",
+                                              "scores = scores.masked_fill(k_pos >= q_pos, float(\"-inf\"))")),
+    m(0, "grouped heads repeat the wrong way", ("k = key.float().repeat_interleave(group, dim=1)",
+                                               "k = key.float().repeat(1, group, 1)")),
+    # stage 1: the block allocator
+    m(1, "the highest id first", ("self._free_stack = list(range(num_blocks - 1, -1, -1))",
+                                  "self._free_stack = list(range(num_blocks))")),
+    m(1, "allocate takes one block too few", ("ids = [self._free_stack.pop() for _ in range(num_blocks)]",
+                                             "ids = [self._free_stack.pop() for _ in range(num_blocks - 1)]")),
+    m(1, "not all or nothing", ("        if num_blocks > len(self._free_stack):\n            raise OutOfBlocksError(num_blocks, len(self._free_stack))\n",
+                                "")),
+    m(1, "double free accepted", ("        if self._is_free[block_id]:\n            raise ValueError(f\"block {block_id} is already free (double free)\")\n",
+                                  "")),
+    m(1, "the free flag is not set on allocate", ("            self._is_free[block_id] = False\n", "            pass\n")),
+    m(1, "free does not set the flag", ("        self._is_free[block_id] = True\n", "")),
+    m(1, "num_free_blocks counts the used", ("return len(self._free_stack)", "return self._num_blocks - len(self._free_stack)")),
+    # stage 2: block tables
+    m(2, "blocks_needed rounds down", ("return -(-num_tokens // self.block_size)", "return num_tokens // self.block_size")),
+    m(2, "a new block one token too early", ("if table.num_tokens % self.block_size == 0:\n            table.block_ids += self.allocator.allocate(1)",
+                                            "if table.num_tokens % self.block_size == self.block_size - 1:\n            table.block_ids += self.allocator.allocate(1)")),
+    m(2, "slot_of without the bounds check", ("        if not 0 <= position < table.num_tokens:\n            raise IndexError(",
+                                              "        if False:\n            raise IndexError(")),
+    m(2, "slot_of uses the logical block", ("return table.block_ids[position // self.block_size] * self.block_size + position % self.block_size",
+                                           "return position // self.block_size * self.block_size + position % self.block_size")),
+    m(2, "slot mapping of the first tokens", ("slots += [ids[p // size] * size + p % size for p in range(end - n, end)]",
+                                             "slots += [ids[p // size] * size + p % size for p in range(n)]")),
+    m(2, "can_allocate forgets a partial block", ("return self.blocks_needed(num_tokens) <= self.num_free_blocks",
+                                                 "return num_tokens // self.block_size <= self.num_free_blocks")),
+    m(2, "gather keeps the padding", ("keys = key_cache[ids].flatten(0, 1)[:seq_len]",
+                                     "keys = key_cache[ids].flatten(0, 1)[-seq_len:]")),
+    # stage 3: reference counts, fork, copy-on-write
+    m(3, "fork forgets incref", ("        for block_id in parent.block_ids:\n            self.allocator.incref(block_id)\n", "")),
+    m(3, "free returns a shared block", ("        if self._ref_counts[block_id] == 0:\n            self.pool.free(block_id)",
+                                         "        self.pool.free(block_id)")),
+    m(3, "no copy-on-write", ("            if self.ref_count(last) > 1:\n                (private,)", "            if False:\n                (private,)")),
+    m(3, "copy-on-write keeps the old reference", ("                self.allocator.free(last)  # drop this sequence's reference to the shared block\n", "")),
+    m(3, "copy queued the wrong way round", ("self.pending_copies.append((last, private))", "self.pending_copies.append((private, last))")),
+    m(3, "a shared last block needs no new block", ("return full or self.ref_count(table.block_ids[-1]) > 1", "return full")),
+    m(3, "copy_blocks copies destination to source", ("cache[dst] = cache[src]", "cache[src] = cache[dst]")),
+    m(3, "the child's table is the parent's list", ("child = BlockTable(list(parent.block_ids), parent.num_tokens)",
+                                                   "child = BlockTable(parent.block_ids, parent.num_tokens)")),
+    # stage 4: the reference attention
+    m(4, "batched decode ignores scale", ("attn_mask=in_use[:, None, None, :], scale=scale,", "attn_mask=in_use[:, None, None, :],")),
+    m(4, "batched decode sees one slot too many", ("in_use = positions[None, :] < seq_lens[:, None]",
+                                                 "in_use = positions[None, :] <= seq_lens[:, None]")),
+    m(4, "wrong GQA head map", ("q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)",
+                                "q = query.float().view(num_seqs, num_heads // num_kv_heads, num_kv_heads, head_dim).transpose(1, 2)")),
+    m(4, "variable length ignores scale", ("out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
+                                          "out[rows] = dense_attention(query[rows], keys, values, causal=True)")),
+    m(4, "prefill is not causal", ("out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
+                                  "out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=False)")),
+    m(4, "single queries keep the wrong tables", ("block_tables[picked],\n", "block_tables[: len(single)],\n")),
+    m(4, "trusts table entries past a sequence", ("ids = torch.where(in_use[:, ::block_size], ids, 0)", "ids = ids")),
+    # stage 5: the Triton kernels
+    m(5, "online softmax rescales the wrong way", ("alpha = tl.exp(m - m_new)", "alpha = tl.exp(m_new - m)")),
+    m(5, "acc is not rescaled", ("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")),
+    m(5, "tile offset uses the block id", ("rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh",
+                                          "rows = block * s_kb + (pos // block_size) * s_ks + kv_head * s_kh")),
+    m(5, "the prefill mask is strict", ("visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])",
+                                       "visible = valid[None, :] & (pos[None, :] < q_pos[:, None])")),
+    m(5, "reduce ignores the partitions' l weights", ("result = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)",
+                                                       "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(l, 0)")),
+    m(5, "prefill reads the wrong KV head", ("    kv_head = head // GROUP\n", "    kv_head = head % GROUP\n")),
+    # stage 6: the scheduler, a mutant per rule
+    m(6, "admission is not first come first served", ("            group = self.waiting[0]\n", "            group = self.waiting[-1]\n"),
+      ("            self.waiting.pop(0)\n", "            self.waiting.remove(group)\n")),
+    m(6, "the sequence that needs a block preempts itself", ("                victim = self.running[-1]\n", "                victim = group\n")),
+    m(6, "a recompute victim goes to the back of the queue", ("            bisect.insort(self.waiting, group, key=_arrival)",
+                                                               "            self.waiting.append(group)")),
+    m(6, "admits while something waits in swap", ("while not out.preempted and not self.swapped and self.waiting:",
+                                                 "while not out.preempted and self.waiting:")),
+    m(6, "admits in a step that preempted", ("while not out.preempted and not self.swapped and self.waiting:",
+                                            "while not self.swapped and self.waiting:")),
+    m(6, "swaps in in a step that preempted", ("while not out.preempted and self.swapped:", "while self.swapped:")),
+    m(6, "admission ignores the watermark", ("needed + watermark > manager.num_free_blocks", "needed > manager.num_free_blocks")),
+    m(6, "decodes do not count against the token budget", (
+        "budget, num_seqs = self.max_num_batched_tokens - len(out.scheduled), self._num_running_seqs()",
+        "budget, num_seqs = self.max_num_batched_tokens, self._num_running_seqs()")),
+    m(6, "swap-in ignores max_num_seqs", ("if (len(seqs) > budget or num_seqs + group.max_num_running_seqs() > self.max_num_seqs\n                    or not",
+                                         "if (len(seqs) > budget\n                    or not")),
+    m(6, "swap-in takes the newest first", ("            group = self.swapped[0]\n", "            group = self.swapped[-1]\n"),
+      ("            self.swapped.pop(0)\n", "            self.swapped.remove(group)\n")),
+    m(6, "no fallback when the CPU pool is full", ('if self.preemption_mode == "swap" and manager.can_swap_out(ids):',
+                                                  'if self.preemption_mode == "swap":')),
+    m(6, "swap mode always recomputes", ('if self.preemption_mode == "swap" and manager.can_swap_out(ids):',
+                                        'if self.preemption_mode == "swap" and False:')),
+    m(6, "a recompute victim keeps its computed count", ("                seq.num_computed_tokens = 0\n", "")),
+    m(6, "swap-in forgets the next token's slot", ("            for seq in seqs:\n                manager.append_slot(seq.seq_id)\n            self._run(group, [(s, 1) for s in seqs], out)",
+                                                  "            self._run(group, [(s, 1) for s in seqs], out)")),
+    m(6, "can_swap_in forgets the growing block", ("return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark <= self.num_free_blocks",
+                                                  "return self._distinct_blocks(self.swapped_tables, seq_ids) + watermark <= self.num_free_blocks")),
+    m(6, "shared blocks are swapped once per sequence", ("self._distinct_blocks(self.block_tables, seq_ids) <= self.cpu_allocator.num_free_blocks)",
+                                                        "sum(len(self.block_tables[s].block_ids) for s in seq_ids) <= self.cpu_allocator.num_free_blocks)")),
+    # stage 7: the engine
+    m(7, "temperature multiplies", ("logits = logits / params.temperature", "logits = logits * params.temperature")),
+    m(7, "top-k keeps one too many", ("kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth",
+                                     "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth - 1")),
+    m(7, "top-p drops the token that crosses it", ("drop = probs.cumsum(-1) - probs >= params.top_p", "drop = probs.cumsum(-1) >= params.top_p")),
+    m(7, "greedy takes the least likely", ("return int(torch.argmax(logits))", "return int(torch.argmin(logits))")),
+    m(7, "positions start at one", ("positions += range(len(seq) - n, len(seq))", "positions += range(len(seq) - n + 1, len(seq) + 1)")),
+    m(7, "logits of the first new token", ("return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()",
+                                          "return self.model.compute_logits(hidden[(ends - torch.tensor(counts)).to(self.device)]).float()")),
+    m(7, "swap-ins are not applied", ("        self.cache.swap_in(out.blocks_to_swap_in)\n", "")),
+    m(7, "sampling ignores the sequence's generator", ("return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
+                                                      "return int(torch.multinomial(probs.cpu(), 1))")),
+    # stage 8: forks and beams
+    m(8, "forks do not share blocks", ("        self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)\n",
+                                       "        self.scheduler.block_manager.allocate(child.seq_id, child.token_ids)\n")),
+    m(8, "every sample draws with the first generator", ("draw = sample(logits[0], params, child.generator)", "draw = sample(logits[0], params, parent.generator)")),
+    m(8, "a child forgets the parent's log-probability", ("child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)",
+                                                         "child.logprobs = list(parent.logprobs)")),
+    m(8, "beam candidates: only width of them", ("min(2 * width, rows.numel())", "min(width, rows.numel())")),
+    m(8, "length penalty on the length before the token", ("request.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
+                                                           "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
+    m(8, "an ending candidate past the width is kept", ("if ends and rank < width and heuristic_ok:", "if ends and heuristic_ok:")),
+    m(8, "forks one sample too few", ("for index in range(1, request.width):", "for index in range(2, request.width):")),
+    # stage 9: prefix caching
+    m(9, "the hash ignores the parent", ("return hashlib.sha256(parent_hash + array(\"q\", token_ids).tobytes()).digest()",
+                                        "return hashlib.sha256(array(\"q\", token_ids).tobytes()).digest()")),
+    m(9, "LRU evicts the most recently freed", ("block_id, _ = self.evictor.popitem(last=False)", "block_id, _ = self.evictor.popitem(last=True)")),
+    m(9, "an evicted block keeps its hash", ("            del self.cached[self.hash_of.pop(block_id)]\n", "")),
+    m(9, "a cached block is freed at its last reference", ("            self.evictor[block_id] = None  # the most recently used end",
+                                                           "            self.inner.free(block_id)")),
+    m(9, "a hit does not take a reference", ("        else:\n            self.inner.incref(block_id)\n        return block_id", "        return block_id")),
+    m(9, "the block of the last token is looked up too", ("for start in range(0, (len(token_ids) - 1) // size * size, size):",
+                                                          "for start in range(0, len(token_ids) // size * size, size):")),
+    m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break", "            if block_id is None:\n                continue")),
+    m(9, "hits are not counted", ("        self.num_hits += 1\n", "")),
+]
+
+
+@dataclass
+class MutantResult:
+    mutant: Mutant
+    killed_by: str | None  # the first failing test, "timeout", or None if it survived
+
+    @property
+    def killed(self) -> bool:
+        return self.killed_by is not None
+
+
+def apply_mutant(source: str, mutant: Mutant, filename: str = "<source>") -> str:
+    """``source`` with the mutant's patches; ``ValueError`` if an ``old`` is not once inside a solution."""
+    for old, new in mutant.patches:
+        lines_before = source.count("\n", 0, source.find(old)) + 1 if old in source else 0
+        if source.count(old) != 1:
+            raise ValueError(f"{filename}: mutant {mutant.name!r}: {old[:60]!r} occurs {source.count(old)} times")
+        first, last = lines_before, lines_before + old.count("\n")
+        if not any(b < first and last < e for b, e, _ in solution_regions(source, filename)):
+            raise ValueError(f"{filename}:{first}: mutant {mutant.name!r} patches outside a solution region")
+        source = source.replace(old, new)
+    return source
+
+
+def _first_failure(workspace: Path, stage: int) -> str | None:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTEST_ADDOPTS", None)
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", f"stage{stage}",
+               "-o", "addopts=--strict-markers", "--tb=no", "-rf"]
+    try:
+        done = subprocess.run(command, cwd=workspace, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    if done.returncode == 0:
+        return None
+    for line in done.stdout.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" ", 1)[1].split(" - ")[0]
+    return f"pytest exited {done.returncode}"
+
+
+def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None = None,
+                repo_dir: Path = REPO_DIR, progress=None) -> list[MutantResult]:
+    """Apply every mutant of ``stages`` to a copy of the package; run its stage's tests until one fails."""
+    catalogue = CATALOGUE if catalogue is None else catalogue
+    files = stage_files(repo_dir / "minipaged")
+    results = []
+    for stage in sorted({mu.stage for mu in catalogue if stages is None or mu.stage in stages}):
+        with tempfile.TemporaryDirectory() as tmp:
+            workspace = copy_workspace(Path(tmp) / "ws", repo_dir)
+            target = workspace / "minipaged" / files[stage].name
+            original = target.read_text()
+            for mutant in (mu for mu in catalogue if mu.stage == stage):
+                target.write_text(apply_mutant(original, mutant, files[stage].name))
+                try:
+                    results.append(MutantResult(mutant, _first_failure(workspace, stage)))
+                finally:
+                    target.write_text(original)
+                if progress:
+                    progress(results[-1])
+    return results
+
+
+def format_mutants(results: list[MutantResult]) -> str:
+    """One row per mutant: stage, name, the test that killed it (or SURVIVED); then the count."""
+    width = max((len(r.mutant.name) for r in results), default=10)
+    lines = [f"{'stage':<6} {'mutant':<{width}}  killed by", "-" * (width + 40)]
+    for r in results:
+        lines.append(f"{r.mutant.stage:<6} {r.mutant.name:<{width}}  {r.killed_by or 'SURVIVED'}")
+    lines.append(f"mutants: {sum(r.killed for r in results)}/{len(results)} killed")
+    return "\n".join(lines)
+
