@@ -221,3 +221,12 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
 TestPagedCacheMachine = PagedCacheMachine.TestCase
 TestPagedCacheMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_slot_of_refuses_positions_outside_the_sequence():
+    manager = BlockSpaceManager(BlockAllocator(4), 4)
+    manager.allocate("a", range(6))  # blocks [0, 1]; block 1 holds 2 of 4 slots
+    assert manager.slot_of("a", 5) == 5
+    for position in (6, 7, -1, 8):  # past the last token (even inside its last block), or before the first
+        with pytest.raises(IndexError):
+            manager.slot_of("a", position)

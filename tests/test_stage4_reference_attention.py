@@ -5,7 +5,7 @@ import torch
 from helpers_attention import make_paged_inputs
 
 from minipaged.stage0_contiguous import dense_attention
-from minipaged.stage4_reference_attention import paged_attention_ref
+from minipaged.stage4_reference_attention import decode_attention_batched, paged_attention_ref
 
 pytestmark = pytest.mark.stage4
 
@@ -104,3 +104,50 @@ def test_bad_arguments_name_the_argument_and_what_was_expected(case):
     bad, message = _cases(args)[case]
     with pytest.raises(ValueError, match=message):
         paged_attention_ref(*bad[:5], query_start_loc=bad[5])
+
+
+def paged_case(lengths, heads=6, kv_heads=2, dim=16, block_size=4, seed=0):
+    """K/V of several sequences scattered over a paged cache; unused table entries hold invalid ids."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-n // block_size) for n in lengths) + 2
+    tables = torch.full((len(lengths), width), num_blocks + 7, dtype=torch.int32)  # never to be read
+    for i, n in enumerate(lengths):
+        used = -(-n // block_size)
+        tables[i, :used] = torch.tensor([order.pop() for _ in range(used)], dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    contiguous = [tuple(c[tables[i, : -(-n // block_size)].long()].flatten(0, 1)[:n] for c in (key_cache, value_cache))
+                  for i, n in enumerate(lengths)]
+    return key_cache, value_cache, tables, seq_lens, contiguous
+
+
+def test_batched_decode_alone_equals_dense_attention_and_never_reads_past_a_sequence():
+    key_cache, value_cache, tables, seq_lens, kv = paged_case([5, 13, 1, 8])
+    query = torch.randn(4, 6, 16)
+    out = decode_attention_batched(query, key_cache, value_cache, tables, seq_lens)
+    for i, (k, v) in enumerate(kv):
+        torch.testing.assert_close(out[i : i + 1], dense_attention(query[i : i + 1], k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["decode", "batched-decode", "varlen-single", "varlen-multi"])
+def test_a_custom_scale_is_used_on_every_path(path):
+    key_cache, value_cache, tables, seq_lens, kv = paged_case([6, 11, 9])
+    scale = 0.37
+    if path in ("decode", "batched-decode"):
+        query = torch.randn(3, 6, 16)
+        run = paged_attention_ref if path == "decode" else decode_attention_batched
+        out = run(query, key_cache, value_cache, tables, seq_lens, scale)
+        rows = [slice(i, i + 1) for i in range(3)]
+    else:
+        q_lens = [1, 1, 1] if path == "varlen-single" else [3, 1, 5]
+        starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+        query = torch.randn(starts[-1], 6, 16)
+        out = paged_attention_ref(query, key_cache, value_cache, tables, seq_lens, scale,
+                                  query_start_loc=torch.tensor(starts, dtype=torch.int32))
+        rows = [slice(starts[i], starts[i + 1]) for i in range(3)]
+    for i, (k, v) in enumerate(kv):
+        want = dense_attention(query[rows[i]], k, v, scale=scale, causal=True)
+        torch.testing.assert_close(out[rows[i]], want, atol=1e-5, rtol=1e-5)

@@ -233,3 +233,112 @@ def test_a_recomputed_group_larger_than_the_token_budget_runs_alone():
     out = scheduler.schedule()
     assert out.scheduled_groups == [group] and sum(n for _, n in out.scheduled) == 44
     assert other.status is SequenceStatus.WAITING  # nothing joins a batch already over budget
+
+
+# One test per rule of the scheduler, each with a fixture in which breaking the rule changes the batch.
+
+
+def admitted_then_decoding(scheduler, prompts, widths=None):
+    """Admit requests of these prompt lengths in one step, then give each a generated token."""
+    seqs = [add(scheduler, [i + 1] * n, 4, width=(widths or {}).get(i, 1)) for i, n in enumerate(prompts)]
+    assert [s for s, _ in scheduler.schedule().scheduled] == seqs
+    for seq in seqs:
+        seq.append_token(1)
+    return seqs
+
+
+def group_of(scheduler, seq):
+    return next(g for q in (scheduler.waiting, scheduler.running, scheduler.swapped) for g in q if seq in g.seqs)
+
+
+def test_rule_victims_are_requeued_in_arrival_order():
+    scheduler, _ = make(4, max_model_len=16)
+    a, v = admitted_then_decoding(scheduler, [8, 7])  # 2 blocks each: the cache is full
+    w = add(scheduler, [9] * 4, 4)  # arrives after v, waits for memory
+    out = scheduler.schedule()  # a needs a third block: v, the newest running, is recomputed
+    assert [g.seqs for g in out.preempted] == [[v]]
+    assert [g.seqs for g in scheduler.waiting] == [[v], [w]]  # v arrived first, so it goes first
+
+
+def step_that_preempts(mode):
+    """a (2 blocks), g (1) and v (3) fill 6 blocks; g is pushed out; then a takes the only free block
+    and v, needing one too, preempts itself, freeing 3 blocks — enough for g to come back."""
+    scheduler, _ = make(6, mode, num_cpu_blocks=8 if mode == "swap" else 0, max_model_len=24)
+    a, g, v = admitted_then_decoding(scheduler, [8, 4, 12])
+    preempt(scheduler, group_of(scheduler, g))
+    out = scheduler.schedule()
+    assert [grp.seqs for grp in out.preempted] == [[v]] and out.scheduled == [(a, 1)]
+    return scheduler, g
+
+
+def test_rule_nothing_is_admitted_in_a_step_that_preempted():
+    scheduler, g = step_that_preempts("recompute")
+    assert g.status is SequenceStatus.WAITING  # it would fit now, but not in this step
+
+
+def test_rule_nothing_is_swapped_in_in_a_step_that_preempted():
+    scheduler, g = step_that_preempts("swap")
+    assert g.status is SequenceStatus.SWAPPED
+
+
+def test_rule_nothing_is_admitted_while_anything_waits_in_swap():
+    scheduler, _ = make(5, "swap", num_cpu_blocks=8, max_model_len=20)
+    a, s = admitted_then_decoding(scheduler, [4, 12])  # 1 + 3 blocks
+    preempt(scheduler, group_of(scheduler, s))  # s waits in swap; it needs 3 blocks + 1 to grow
+    small = add(scheduler, [7] * 4, 4)  # 1 block: it would fit
+    out = scheduler.schedule()  # a grows into a new block: 3 free, too few for s
+    assert out.scheduled == [(a, 1)] and s.status is SequenceStatus.SWAPPED
+    assert small.status is SequenceStatus.WAITING  # it does not jump ahead of s
+
+
+def test_rule_admission_keeps_the_watermark_free():
+    scheduler, _ = make(20, max_model_len=80, watermark=0.1)  # a watermark of 2 blocks
+    assert scheduler.watermark_blocks == 2
+    (a,) = admitted_then_decoding(scheduler, [3])  # 1 block; 19 free
+    big = add(scheduler, [5] * 72, 4)  # 18 blocks: they are free, but 18 + 2 > 19
+    assert scheduler.schedule().scheduled == [(a, 1)] and big.status is SequenceStatus.WAITING
+    scheduler.finish(a)
+    assert scheduler.schedule().scheduled == [(big, 72)]  # nothing runs: the watermark would only block it
+
+
+def test_rule_decodes_count_against_the_token_budget():
+    scheduler, _ = make(64, max_model_len=40, max_num_batched_tokens=40)
+    a, b = admitted_then_decoding(scheduler, [3, 3])
+    late = add(scheduler, [5] * 39, 1)  # 39 tokens: 40 - 2 decodes leaves 38
+    assert [s for s, _ in scheduler.schedule().scheduled] == [a, b] and late.status is SequenceStatus.WAITING
+
+
+def test_rule_swap_in_respects_max_num_seqs():
+    scheduler, _ = make(16, "swap", num_cpu_blocks=16, max_model_len=16, max_num_seqs=3)
+    a, b, c = admitted_then_decoding(scheduler, [4, 4, 4])
+    preempt(scheduler, group_of(scheduler, c))
+    scheduler.max_num_seqs = 2  # as if the limit were lower now: a and b already use it
+    out = scheduler.schedule()
+    assert [s for s, _ in out.scheduled] == [a, b] and c.status is SequenceStatus.SWAPPED
+
+
+def test_rule_swap_in_is_first_come_first_served():
+    scheduler, _ = make(8, "swap", num_cpu_blocks=16, max_model_len=32)
+    a, s1, s2 = admitted_then_decoding(scheduler, [4, 24, 4])  # 1 + 6 + 1 blocks
+    preempt(scheduler, group_of(scheduler, s2))
+    preempt(scheduler, group_of(scheduler, s1))
+    assert [g.seqs for g in scheduler.swapped] == [[s1], [s2]]  # in arrival order
+    out = scheduler.schedule()  # s1 needs 7 blocks, 6 are free: it waits, and s2 waits behind it
+    assert out.scheduled == [(a, 1)] and s2.status is SequenceStatus.SWAPPED
+
+
+def test_rule_a_full_cpu_pool_falls_back_to_recompute():
+    scheduler, _ = make(6, "swap", num_cpu_blocks=2, max_model_len=24)
+    a, v = admitted_then_decoding(scheduler, [8, 12])  # 2 + 3 blocks; v's 3 do not fit 2 CPU blocks
+    out = scheduler.schedule()  # a fits its new block; v needs one, none is free: v is preempted
+    assert [g.seqs for g in out.preempted] == [[v]] and not out.blocks_to_swap_out
+    assert v.status is SequenceStatus.WAITING and v.num_computed_tokens == 0
+
+
+def test_shared_blocks_need_cpu_room_once():
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(8), 4, RefCountedBlockAllocator(2))
+    manager.allocate("a", range(8))  # 2 full blocks
+    manager.fork("a", "b")
+    manager.fork("a", "c")
+    assert manager.can_swap_out(["a", "b", "c"])  # 2 distinct blocks, 2 CPU blocks
+    assert len(manager.swap_out(["a", "b", "c"])) == 2
