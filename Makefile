@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NOTEBOOKS_OUT := build/tutorials
 
-.PHONY: install demo test lint unit notebooks docs-build docs bench bench-full clean
+.PHONY: install demo test lint unit mutants notebooks docs-build docs bench bench-full clean
 
 # A virtual environment with the project (editable) and its pinned dependencies.
 # torch 2.13.0 (CPU build) first, so that nothing pulls a CUDA build.
@@ -21,14 +21,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/minipaged demo
 
-# ruff, every test, every notebook (executed), and the documentation site (strict).
-test: lint unit notebooks docs-build
+# ruff, every test, the mutant catalogue, every notebook (executed), and the documentation site (strict).
+test: lint unit mutants notebooks docs-build
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 unit: $(STAMP)
 	$(PY) -m pytest
+
+# Every plausible wrong implementation in the catalogue must fail its stage's tests.
+mutants: $(STAMP)
+	$(VENV)/bin/minipaged mutants
 
 # Notebooks are committed without outputs; they run on a copy, whose outputs the docs show.
 notebooks: $(STAMP)

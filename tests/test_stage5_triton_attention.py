@@ -61,9 +61,9 @@ def test_prefill_kernel_equals_the_reference(heads, kv_heads, head_dim, block_si
 def test_same_checks_as_the_reference_and_a_known_version():
     args, _ = make_paged_inputs(4, 2, 64, 16, [20, 35])
     torch.testing.assert_close(paged_attention_triton(*args[:5], version="v1"), paged_attention_ref(*args[:5]))
-    with pytest.raises(ValueError, match="version: expected one of"):
+    with pytest.raises(ValueError, match=r"^version\b"):
         paged_attention_triton(*args[:5], version="v3")
-    with pytest.raises(ValueError, match="seq_lens: expected at most"):
+    with pytest.raises(ValueError, match=r"^seq_lens\b"):
         paged_attention_triton(*args[:4], args[4] + 100)
 
 

@@ -98,6 +98,8 @@ def test_n_samples_equal_n_unshared_requests_seeded_one_apart_in_fewer_blocks(ch
     outs = unshared.generate([prompt] * n, seeded, use_tqdm=False)
     runs[False] = ([o.outputs[0].token_ids for o in outs], unshared.peak_blocks_used, unshared.stats["prefill_tokens"])
     assert runs[True][0] == runs[False][0]
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx(
+        [o.outputs[0].cumulative_logprob for o in outs], abs=1e-4)  # every sample's log-probability, its first token's too
     assert len({tuple(t) for t in runs[True][0]}) > 1  # the samples differ from each other
     stored = prompt_len + 10 - 1  # the last token's K/V is never written
     private = -(-stored // block_size) - prompt_len // block_size

@@ -205,3 +205,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+def test_a_prompt_of_whole_blocks_still_computes_its_last_token():
+    prompt = tokens(5, 64)  # exactly 4 blocks of 16
+    llm = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
+    first = run(llm, [[prompt]])
+    before = llm.stats["prefill_tokens"]
+    assert run(llm, [[prompt]]) == first
+    assert llm.stats["prefill_tokens"] - before == 16  # 3 blocks hit; the block of the last token is computed
+
+
+def test_the_walk_stops_at_the_first_miss():
+    """A block equal to a cached first block, but after other tokens, is another prefix: no hit."""
+    block, other = tokens(6, 16), tokens(7, 16)
+    plain = UncachedLLM("tiny", num_gpu_blocks=64)
+    cached = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
+    batches = [[block + tokens(8, 5)], [other + block + tokens(9, 5)]]
+    assert run(cached, batches) == run(plain, batches)
+    assert cached.stats["prefix_cache_hits"] == 0
