@@ -306,7 +306,26 @@ class Scheduler:
         # END SOLUTION
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step: decodes (preempting the newest when blocks run out), swap-ins, admissions."""
+        """Decide the next step; the rules, each checked by a test of its own:
+
+        1. Decode every running group, oldest first: one new slot (``append_slot``) for each of its
+           running sequences. When ``can_append_slots`` says no, preempt the newest running group
+           (the last of ``running``), possibly the one asking, until it says yes.
+        2. Unless something was preempted in this step: swap in swapped groups, oldest first,
+           stopping at the first that does not fit — ``can_swap_in`` with the watermark (none when
+           nothing runs), ``max_num_seqs`` counting every sequence a group may run, and the token
+           budget — then give each of its sequences its next slot and schedule one token each.
+        3. Unless something was preempted in this step or anything waits in swap: admit waiting
+           groups, oldest first, stopping at the first that does not fit — its blocks plus the
+           watermark must be free, ``max_num_seqs`` as above, and its tokens within the budget
+           left after this step's decodes (a group larger than the whole budget runs alone);
+           ``allocate`` each sequence and schedule its tokens not already in the cache.
+
+        A preempted group is swapped out whole if the mode is ``swap`` and ``can_swap_out`` says
+        the CPU pool has room; otherwise it is recomputed: its blocks freed, ``num_computed_tokens``
+        set to 0, back in ``waiting``. Queues stay in arrival order. Returns the batch, the block
+        moves of the step, and the groups it preempted.
+        """
         out, manager = SchedulerOutput(), self.block_manager
         self.running = [g for g in self.running if not g.is_finished()]
         # BEGIN SOLUTION decode the running groups (oldest first), then swap in, then admit, as the docstring says

@@ -6,6 +6,7 @@ from them. A lost, stale or misplaced block changes the outputs, or fails the ch
 """
 
 import torch
+from helpers_kv import assert_same_kv
 
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage6_scheduler import (
@@ -55,7 +56,7 @@ class CacheReadingModel:
             new = expected[total - n :].view(n, 1, 1)
             self.cache.write(0, manager.slot_mapping([seq.seq_id], [n]), new, -new)
             k, v = self.cache.gather(0, manager.get_block_table(seq.seq_id), total)
-            assert torch.equal(k.flatten(), expected) and torch.equal(v.flatten(), -expected), "cache corrupted"
+            assert_same_kv((k.flatten(), v.flatten()), (expected, -expected), seq=seq.seq_id)  # else: cache corrupted
             tokens[seq] = int(k.sum().item() * 7 + total) % VOCAB
         return tokens
 

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from helpers_kv import assert_same_kv
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -65,7 +66,7 @@ def test_paged_cache_reads_back_what_the_contiguous_cache_holds(block_size, seed
         for layer in range(LAYERS):
             k_ref, v_ref = contiguous.read(layer, seq_id)
             k, v = paged.gather(layer, table, n)
-            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+            assert_same_kv((k, v), (k_ref, v_ref), seq=seq_id, layer=layer)
 
 
 def test_tensor_layout_and_slot_formula():

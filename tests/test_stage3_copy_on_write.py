@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from helpers_kv import assert_same_kv
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -85,8 +86,8 @@ def test_every_branch_of_a_fork_tree_reads_its_own_unshared_cache(block_size, se
             got = cache.gather(layer, shared.get_block_table(seq_id), n)
             own = plain.gather(layer, unshared.get_block_table(seq_id), n)
             ref = contiguous.read(layer, seq_id)
-            assert torch.equal(got[0], own[0]) and torch.equal(got[1], own[1])
-            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+            assert_same_kv(got, own, seq=seq_id, layer=layer)
+            assert_same_kv(got, ref, seq=seq_id, layer=layer)
     used_shared = shared.num_total_blocks - shared.num_free_blocks
     distinct = {b for s in live for b in shared.get_block_table(s)}
     assert used_shared == len(distinct)
