@@ -107,8 +107,12 @@ def decode_attention_batched(
 ) -> torch.Tensor:
     """Decode for a whole batch at once: gather every sequence, padded to the longest, and mask.
 
-    query: ``(num_seqs, num_heads, head_dim)``. The same gather as ``gather_kv``, done for all
-    sequences in one indexing operation; positions past a sequence's length are masked out.
+    query: ``(num_seqs, num_heads, head_dim)``, one query per sequence; returns the same shape.
+    The same gather as ``gather_kv``, done for all sequences in one indexing operation;
+    positions past a sequence's length are masked out, and the table entries past its
+    blocks are never read (they may hold any value, even an id outside the cache). Query
+    head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to
+    ``1 / sqrt(head_dim)``. It equals stage 0's ``dense_attention`` on each sequence's K/V.
     """
     # BEGIN SOLUTION gather (num_seqs, max_len, kv_heads, dim) through the tables, mask, attend
     num_seqs, num_heads, head_dim = query.shape

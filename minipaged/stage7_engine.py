@@ -80,7 +80,12 @@ class Request(SequenceGroup):
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p: ``(vocab,)`` float32 logits, the cut ones at -inf."""
+    """Temperature, then top-k, then top-p: ``(vocab,)`` float32 logits, the cut ones at -inf.
+
+    Logits are divided by the temperature; ``top_k > 0`` keeps the ``top_k`` largest (ties at
+    the k-th value kept); ``top_p < 1`` keeps the smallest set of most likely tokens whose
+    probability reaches ``top_p`` (the token that crosses it included).
+    """
     # BEGIN SOLUTION divide by the temperature; keep the top_k largest; keep the smallest set reaching top_p
     logits = logits / params.temperature
     if 0 < params.top_k < logits.numel():
@@ -96,7 +101,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from ``(vocab,)`` float32 logits."""
+    """One token from ``(vocab,)`` float32 logits: the argmax at temperature 0, else a draw from
+    the softmax of ``process_logits``, with ``generator`` (so a seeded sequence repeats itself)."""
     # BEGIN SOLUTION greedy at temperature 0, else draw from softmax of the processed logits
     if params.temperature == 0:
         return int(torch.argmax(logits))
@@ -125,7 +131,15 @@ class ModelRunner:
         self.device = cache.key_cache[0].device
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Apply the step's block moves, run the model on its new tokens: ``(num_seqs, vocab)`` float32."""
+        """Run one step: ``(num_seqs, vocab)`` float32 logits, one row per scheduled sequence, in order.
+
+        First the block moves, in this order: swap out, swap in, copy-on-write copies. Then one
+        forward pass over the new tokens of every scheduled sequence, flattened: a sequence with
+        ``n`` new tokens contributes its last ``n`` token ids at positions ``len - n .. len - 1``;
+        their K/V go to the block manager's ``slot_mapping``; attention reads through
+        ``block_tables_tensor`` and ``seq_lens`` (``query_start_loc`` when any sequence has more
+        than one new token). Each sequence's row is the logits of its last token.
+        """
         # BEGIN SOLUTION block moves first; flatten the new tokens; slot mapping, tables, lengths; forward
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)

@@ -87,7 +87,11 @@ class PrefixCachingAllocator:
         self.inner.incref(block_id)
 
     def allocate(self, num_blocks: int = 1) -> list[int]:
-        """Free blocks first; then the least recently used cached ones, forgotten. All or nothing."""
+        """Free blocks first; then the least recently used cached ones, forgotten. All or nothing.
+
+        ``OutOfBlocksError`` if fewer than ``num_blocks`` are free, counting the evictor. An
+        evicted block loses its hash (it can no longer be found) and counts in ``num_evictions``.
+        """
         if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(num_blocks, self.num_free_blocks)
         ids = self.inner.allocate(min(num_blocks, self.inner.num_free_blocks))
@@ -112,7 +116,11 @@ class PrefixCachingAllocator:
         # END SOLUTION
 
     def lookup(self, digest: bytes) -> int | None:
-        """The cached block named ``digest``, with one more reference for the caller; None if there is none."""
+        """The cached block named ``digest``, with one more reference for the caller; None if there is none.
+
+        A block waiting in the evictor leaves it (its reference becomes the caller's); a block in
+        use is shared (``incref``). Counts ``num_queries`` and ``num_hits``.
+        """
         self.num_queries += 1
         # BEGIN SOLUTION revive it from the evictor (its reference becomes the caller's), or share it
         block_id = self.cached.get(digest)
@@ -141,7 +149,12 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         self.uncached: dict[Hashable, tuple[list[int], int, bytes]] = {}  # seq -> (tokens, blocks cached, last hash)
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
-        """Take the cached blocks of the prompt's prefix, new ones for the rest; return the tokens reused."""
+        """Take the cached blocks of the prompt's prefix, new ones for the rest; return the tokens reused.
+
+        The walk hashes the full blocks in order, chaining each hash on the one before, and
+        stops at the first miss; the block holding the last token is never looked up (its
+        logits are needed). A refused call (``OutOfBlocksError``) gives back what it took.
+        """
         if seq_id in self.block_tables or len(token_ids) < 1:
             raise ValueError(f"sequence {seq_id!r} already has a block table, or has no tokens")
         size, needed, hits, digest = self.block_size, self.blocks_needed(len(token_ids)), [], ROOT
