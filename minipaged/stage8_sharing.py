@@ -103,7 +103,8 @@ class SharingEngine(LLMEngine):
         return request
 
     def fork(self, request: Request, parent: SampledSequence, index: int) -> SampledSequence:
-        """A new running sequence of ``request`` with the parent's tokens, sharing its blocks."""
+        """A new running sequence of ``request``: the parent's tokens, computed count and log-probabilities,
+        its blocks shared through the block manager's ``fork``, and a generator seeded ``seed + index``."""
         # BEGIN SOLUTION copy the tokens and sampling state, fork the block table, join the group
         child = self.new_sequence(request, parent.prompt_token_ids, index)
         child.output_token_ids = list(parent.output_token_ids)
@@ -115,6 +116,10 @@ class SharingEngine(LLMEngine):
         # END SOLUTION
 
     def process_outputs(self, request, seqs, tokens, chosen, logprobs, logits) -> None:
+        """As stage 7, after one rule: when a request of ``n`` samples has prefilled its prompt (one
+        sequence so far), fork ``n - 1`` samples first — sample ``i`` seeded ``seed + i`` draws its first
+        token from the same logits, greedy samples take the same token — then append every token.
+        A beam request goes to ``advance_beams``."""
         if isinstance(request, BeamRequest):
             return self.advance_beams(request, seqs, logprobs)
         # BEGIN SOLUTION after the prompt's step, fork n - 1 samples; each draws its first token from the same logits
