@@ -27,6 +27,16 @@ def _mutants(args: argparse.Namespace) -> int:
     return 0 if all(r.killed for r in results) else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from minipaged.serving import serve
+
+    serve(args.model, args.host, args.port, args.max_waiting, block_size=args.block_size,
+          num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+          preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
+          device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching)
+    return 0
+
+
 def _grade(args: argparse.Namespace) -> int:
     from minipaged.exercise import edited_stage, format_grades, grade
 
@@ -136,6 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
     p.set_defaults(run=_generate)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback only)")
+    p.add_argument("model", nargs="?", default="tiny", help="'tiny' or a local Hugging Face model folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait; more get HTTP 503")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--backend", default="ref", choices=["ref", "triton"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
+    p.set_defaults(run=_serve)
 
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")
     p.add_argument("--blocks", type=int, default=8, help="KV cache blocks for the engine demo")
