@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NOTEBOOKS_OUT := build/tutorials
 
-.PHONY: install demo test lint unit mutants notebooks docs-build docs bench bench-full clean
+.PHONY: install demo test lint browser unit mutants notebooks docs-build docs bench bench-full clean
 
 # A virtual environment with the project (editable) and its pinned dependencies.
 # torch 2.13.0 (CPU build) first, so that nothing pulls a CUDA build.
@@ -22,7 +22,14 @@ demo: $(STAMP)
 	$(VENV)/bin/minipaged demo
 
 # ruff, every test, the mutant catalogue, every notebook (executed), and the documentation site (strict).
-test: lint unit mutants notebooks docs-build
+test: lint browser unit mutants notebooks docs-build
+
+# A headless browser for the live page's test: Debian's chromium, where this machine can install it.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	  echo "no chromium here: the live page's browser test will be skipped"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

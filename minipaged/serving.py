@@ -132,7 +132,8 @@ class AsyncEngine:
                     if group.is_finished():  # done, and leaving at the next step
                         continue
                     queues[name].append({"id": str(group.request_id),
-                                         "tokens": [len(s.output_token_ids) for s in group.seqs]})
+                                         "tokens": [len(s.output_token_ids) for s in group.seqs],
+                                         "text": self.engine.text(group.seqs[0].output_token_ids)[-80:]})
                     if name == "running":
                         for seq in group.seqs:
                             if seq.seq_id in manager.block_tables:
@@ -316,6 +317,8 @@ td, th { padding: 2px 10px; text-align: left; }
 <p>Each square is a physical KV block, coloured by the request that holds it (grey: free);
 a black outline marks a block shared by several sequences.</p>
 <table><thead><tr><th>queue</th><th>requests (tokens generated)</th></tr></thead><tbody id="queues"></tbody></table>
+<h2>Streaming now</h2>
+<table><tbody id="texts"></tbody></table>
 <script>
 const colour = id => `hsl(${(parseInt(id.replace(/\\D/g, '') || '0') * 47) % 360}, 60%, 45%)`;
 async function refresh() {
@@ -336,9 +339,15 @@ async function refresh() {
     }
     document.getElementById('queues').innerHTML = ['running', 'waiting', 'swapped'].map(q =>
       `<tr><td>${q}</td><td>${s[q].map(r => `${r.id} (${r.tokens.join('/')})`).join(', ')}</td></tr>`).join('');
+    const rows = document.getElementById('texts');
+    rows.innerHTML = '';
+    for (const r of s.running) {  // textContent: the generated text is never parsed as HTML
+      const tr = rows.insertRow(), id = tr.insertCell(), text = tr.insertCell();
+      id.textContent = r.id; id.style.color = colour(r.id); text.textContent = '…' + r.text;
+    }
   } catch (e) { document.getElementById('summary').textContent = 'the server is not answering'; }
 }
-setInterval(refresh, 500); refresh();
+setInterval(refresh, Number(new URLSearchParams(location.search).get('every')) || 500); refresh();
 </script></body></html>
 """
 

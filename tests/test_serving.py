@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, over HTTP, with the openai client: the same tokens as LLM.generate."""
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -155,3 +156,39 @@ def test_a_full_waiting_queue_answers_503_and_shutdown_is_clean():
     finally:
         stop_server(process)
     assert process.returncode == 0
+
+
+@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
+                    reason="needs Debian's chromium and chromium-driver (make installs them where it can)")
+def test_the_live_page_draws_the_blocks_of_a_running_request_in_a_real_browser(server):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    browser = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        browser.get(f"{server}/?every=100")
+        wait = WebDriverWait(browser, 30, poll_frequency=0.1)
+        wait.until(lambda b: "blocks in use" in b.find_element(By.ID, "summary").text)
+        titles = 'return [...document.querySelectorAll("#blocks .block")].map(c => c.title)'  # read in one go
+        assert len(browser.execute_script(titles)) == BLOCKS
+        body = {"model": "tiny", "prompt": "Return the number of", "max_tokens": 240, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # the request runs now
+            owned = wait.until(lambda b: [t for t in b.execute_script(titles) if t])
+            assert owned and all(t.startswith("cmpl-") for t in owned)
+            assert "cmpl-" in browser.find_element(By.ID, "queues").text
+            assert "cmpl-" in browser.find_element(By.ID, "texts").text  # its text, as it streams
+            for _ in lines:  # read to the end: the request finishes
+                pass
+        wait.until(lambda b: not [t for t in b.execute_script(titles) if t])
+        assert "0 running" in browser.find_element(By.ID, "summary").text
+    finally:
+        browser.quit()
