@@ -1,8 +1,8 @@
 """The OpenAI-compatible server, over HTTP, with the openai client: the same tokens as LLM.generate."""
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import socket
 import subprocess
