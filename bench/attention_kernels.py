@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     if on_gpu:
@@ -134,8 +135,8 @@ def main() -> None:
             cells = "  ".join(f"{k} {ms:8.3f} ms {row['gbps'][k]:7.0f} GB/s" for k, ms in row["ms"].items())
             print(f"batch {batch:>3}  context {context:>5}:  {cells}")
             del case
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "attention_kernels.json").write_text(json.dumps(
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "attention_kernels.json").write_text(json.dumps(
         {"device": name, "dtype": str(dtype), "peak_gbps": peak, "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))
     for kernel in ("sdpa", "ref", "v1", "v2"):
@@ -150,7 +151,7 @@ def main() -> None:
     ax.set_title(name if on_gpu else "CPU interpreter (not a speed measurement)", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "attention_kernels.png", dpi=120)
+    fig.savefig(results_dir / "attention_kernels.png", dpi=120)
     if not on_gpu:
         print(f"CPU: v1, v2 and ref agree on {len(rows)} cases; the speed figures need a GPU")
         return

@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and rates")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     rates = [0.05, 0.2] if args.quick else [0.01, 0.02, 0.05, 0.1, 0.2]
     results = {}
     for name in TRACES:
@@ -68,8 +69,8 @@ def main() -> None:
             results[f"{name}/{rate}"] = row
             print(f"{name:<9} rate {rate * SCALE[name]:<5} req/step: "
                   + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batch_capacity.json").write_text(json.dumps({"slots": OPT_13B_SLOTS, "results": results,
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "batch_capacity.json").write_text(json.dumps({"slots": OPT_13B_SLOTS, "results": results,
                                                              "paper_sharegpt_2rps": PAPER_SHAREGPT_2RPS}, indent=2))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     for ax, name in zip(axes, TRACES, strict=True):
@@ -80,7 +81,7 @@ def main() -> None:
     axes[0].set_ylabel("requests running at once")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "batch_capacity.png", dpi=120)
+    fig.savefig(results_dir / "batch_capacity.png", dpi=120)
     top = results[f"ShareGPT/{rates[-1]}"]
     print("ShareGPT, saturated: " + ", ".join(f"{k} {v:.2f}" for k, v in top.items())
           + "  (paper at 2 req/s: " + ", ".join(f"{k} {v}" for k, v in PAPER_SHAREGPT_2RPS.items()) + ")")

@@ -47,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a shorter trace")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     results = {}
     for name in TRACES:
         count = (100 if args.quick else 400) * (1 if name == "ShareGPT" else 3)
@@ -61,8 +62,8 @@ def main() -> None:
         cells = "  ".join(f"{n} {100 * results[f'{n}/{size}']['token']:5.1f}% ({results[f'{n}/{size}']['running']:5.1f} running)"
                           for n in TRACES)
         print(f"block {size:>3}: {cells}" + (f"  kernel {latency[size]:.3f} ms" if gpu else ""))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "block_size.json").write_text(json.dumps({"utilisation": results, "kernel_ms": latency}, indent=2))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "block_size.json").write_text(json.dumps({"utilisation": results, "kernel_ms": latency}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for name in TRACES:
         ax.semilogx(SIZES, [100 * results[f"{name}/{s}"]["token"] for s in SIZES], "o-", base=2, label=name)
@@ -74,7 +75,7 @@ def main() -> None:
         twin.set_ylabel("decode kernel latency (ms)")
     ax.legend(loc="lower left")
     fig.tight_layout()
-    fig.savefig(RESULTS / "block_size.png", dpi=120)
+    fig.savefig(results_dir / "block_size.png", dpi=120)
     best = max(SIZES, key=lambda s: results[f"ShareGPT/{s}"]["token"])
     print(f"ShareGPT utilisation: {100 * results['ShareGPT/16']['token']:.1f}% at block 16, "
           f"{100 * results['ShareGPT/256']['token']:.1f}% at 256 (best at {best})"

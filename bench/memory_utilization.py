@@ -35,18 +35,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short trace")
     parser.add_argument("--slots", type=int, default=16384)
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     trace = synthetic_requests(150 if args.quick else 1000, rate=0.2, seed=0)
     results = [simulate_contiguous(trace, p, args.slots, 2048) for p in ("max", "pow2", "oracle")]
     results.append(simulate_paged(trace, args.slots // 16, 16))
     print(format_usage_table(results))
-    RESULTS.mkdir(exist_ok=True)
+    results_dir.mkdir(parents=True, exist_ok=True)
     payload = {r.policy: {"fractions": r.fractions, "mean_running": r.mean_running,
                           "paper_token_share": PAPER_TOKEN_SHARE[r.policy]} for r in results}
-    (RESULTS / "memory_utilization.json").write_text(json.dumps(payload, indent=2))
+    (results_dir / "memory_utilization.json").write_text(json.dumps(payload, indent=2))
     plot_usage(results)
     plt.title("KV memory by kind of slot")
     plt.tight_layout()
-    plt.savefig(RESULTS / "memory_utilization.png", dpi=120)
+    plt.savefig(results_dir / "memory_utilization.png", dpi=120)
     print("token share (ours vs paper): " + ", ".join(
         f"{r.policy} {100 * r.fractions['token']:.1f}% vs {PAPER_TOKEN_SHARE[r.policy]}%" for r in results))
 

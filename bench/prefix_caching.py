@@ -31,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 requests instead of 32")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     rng = random.Random(0)
     count = 12 if args.quick else 32
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -52,8 +53,8 @@ def main() -> None:
         assert on["outputs"] == off["outputs"], "caching changed an output"
         print(f"{name:<9} ({length} shared tokens): prefill tokens {off['prefill_tokens']} -> {on['prefill_tokens']}, "
               f"{on['hits']} block hits, {off['requests_per_s']:.1f} -> {on['requests_per_s']:.1f} requests/s")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_caching.json").write_text(json.dumps(
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "prefix_caching.json").write_text(json.dumps(
         {k: {m: v for m, v in row.items() if m != "outputs"} for k, row in rows.items()}, indent=2))
     fig, ax = plt.subplots(figsize=(5, 3))
     names = list(PREFIXES)
@@ -64,7 +65,7 @@ def main() -> None:
     ax.set_ylabel("prefill tokens computed")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "prefix_caching.png", dpi=120)
+    fig.savefig(results_dir / "prefix_caching.png", dpi=120)
     print("prefix caching: " + ", ".join(
         f"{n} {rows[f'{n}/on']['requests_per_s'] / rows[f'{n}/off']['requests_per_s']:.1f}x throughput, "
         f"{100 * (1 - rows[f'{n}/on']['prefill_tokens'] / rows[f'{n}/off']['prefill_tokens']):.0f}% fewer prefill tokens"

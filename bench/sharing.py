@@ -84,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     results = {}
     for trace, (prompt_mean, output_mean) in TRACES.items():
         requests = synthetic_requests(4 if args.quick else 12, mean_prompt=prompt_mean,
@@ -93,8 +94,8 @@ def main() -> None:
             results[f"{trace}/beam/{k}"] = beam_saving(requests, k)
             print(f"{trace:<9} n/width {k}: parallel sampling saves {100 * results[f'{trace}/parallel/{k}']:5.1f}%, "
                   f"beam search {100 * results[f'{trace}/beam/{k}']:5.1f}%")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sharing.json").write_text(json.dumps({"saving": results, "paper": {f"{a}/{b}": v for (a, b), v in PAPER.items()}}, indent=2))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "sharing.json").write_text(json.dumps({"saving": results, "paper": {f"{a}/{b}": v for (a, b), v in PAPER.items()}}, indent=2))
     fig, axes = plt.subplots(1, 2, figsize=(8, 3), sharey=True)
     for ax, trace in zip(axes, TRACES, strict=True):
         for kind, color in (("parallel", "#1b9e77"), ("beam", "#7570b3")):
@@ -104,7 +105,7 @@ def main() -> None:
     axes[0].set_ylabel("KV memory saved (%)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "sharing.png", dpi=120)
+    fig.savefig(results_dir / "sharing.png", dpi=120)
     print("memory saved by sharing, ours (paper): " + "; ".join(
         f"{t} {kind} {100 * min(results[f'{t}/{kind}/{k}'] for k in (2, 4, 6)):.1f}-"
         f"{100 * max(results[f'{t}/{kind}/{k}'] for k in (2, 4, 6)):.1f}% ({PAPER[(t, kind)]})"

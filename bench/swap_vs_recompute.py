@@ -70,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     repeats = 2 if args.quick else 5
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = {}
@@ -78,8 +79,8 @@ def main() -> None:
         blocks = rows[size]["blocks"]
         print(f"block {size:>3} ({blocks:>4} blocks): swap out+in {rows[size]['swap_ms']:8.2f} ms, "
               f"recompute {rows[size]['recompute_ms']:8.2f} ms")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "swap_vs_recompute.json").write_text(json.dumps({"device": device, "tokens": TOKENS, "rows": rows}, indent=2))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "swap_vs_recompute.json").write_text(json.dumps({"device": device, "tokens": TOKENS, "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.loglog(SIZES, [rows[s]["swap_ms"] for s in SIZES], "o-", base=2, label="swap out + in")
     ax.loglog(SIZES, [rows[s]["recompute_ms"] for s in SIZES], "s-", base=2, label="recompute (prefill)")
@@ -89,7 +90,7 @@ def main() -> None:
                  fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "swap_vs_recompute.png", dpi=120)
+    fig.savefig(results_dir / "swap_vs_recompute.png", dpi=120)
     print(f"swap round trip {rows[1]['swap_ms']:.2f} ms at block 1 vs {rows[16]['swap_ms']:.2f} ms at 16; "
           f"recompute {rows[16]['recompute_ms']:.1f} ms ({device}"
           + (": swapping copies RAM to RAM, so its PCIe cost is not shown)" if device == "cpu" else ")"))

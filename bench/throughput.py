@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="max_num_seqs and transformers' batch size (default: 16, 32, 64)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
     torch.manual_seed(0)
     path = resolve_model_path(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
@@ -152,8 +153,8 @@ def main() -> None:
               f"{100 * (1 - timer.seconds / ours):.0f}% outside the forward), generate {wanted / static:8.1f}, "
               f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours:.1f}x and "
               f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps(
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "throughput.json").write_text(json.dumps(
         {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
          "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -168,7 +169,7 @@ def main() -> None:
     ax.set_title(f"{args.model}, {len(trace)} requests, {args.device}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "throughput.png", dpi=120)
+    fig.savefig(results_dir / "throughput.png", dpi=120)
     print("minipaged's throughput vs transformers generate / continuous batching: "
           + ", ".join(f"{r['ratio']:.1f}x / {r['ratio_cb']:.1f}x at batch {r['batch']}" for r in rows))
 
