@@ -109,7 +109,8 @@ def test_stop_strings_logprobs_and_vllm_fields(client):
 
 def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, client):
     for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"n": 0}, {"prompt": [1, 99999]},
-                {"prompt": "a " * 300, "max_tokens": 20}):  # the last: over max_model_len
+                {"prompt": "a " * 300, "max_tokens": 20},  # over max_model_len
+                {"n": 200, "max_tokens": 16}):  # 200 sequences can never fit 96 blocks: refused, not queued
         body = {"model": "tiny", "prompt": "hello", **bad}
         response = httpx.post(f"{server}/v1/completions", json=body)
         assert response.status_code == 400, bad
