@@ -203,7 +203,7 @@ def apply_mutant(source: str, mutant: Mutant, filename: str = "<source>") -> str
 
 
 def _first_failure(workspace: Path, stage: int) -> str | None:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1"}
     env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", f"stage{stage}",
                "-o", "addopts=--strict-markers", "--tb=no", "-rf"]
