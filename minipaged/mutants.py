@@ -192,10 +192,10 @@ class MutantResult:
 def apply_mutant(source: str, mutant: Mutant, filename: str = "<source>") -> str:
     """``source`` with the mutant's patches; ``ValueError`` if an ``old`` is not once inside a solution."""
     for old, new in mutant.patches:
-        lines_before = source.count("\n", 0, source.find(old)) + 1 if old in source else 0
         if source.count(old) != 1:
             raise ValueError(f"{filename}: mutant {mutant.name!r}: {old[:60]!r} occurs {source.count(old)} times")
-        first, last = lines_before, lines_before + old.rstrip("\n").count("\n")
+        first = source.count("\n", 0, source.index(old)) + 1  # 1-based lines of the patched text
+        last = first + old.rstrip("\n").count("\n")
         if not any(b < first and last < e for b, e, _ in solution_regions(source, filename)):
             raise ValueError(f"{filename}:{first}: mutant {mutant.name!r} patches outside a solution region")
         source = source.replace(old, new)

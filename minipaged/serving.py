@@ -192,7 +192,7 @@ def build_app(llm, model_name: str = "tiny", max_waiting: int = 256):
     def choice(index, text, completion, finish, logprobs):
         entry = None
         if logprobs is not None and completion.logprobs is not None:
-            tops = completion.logprobs[-len(completion.token_ids):] if completion.token_ids else []
+            tops = completion.logprobs  # one dict per generated token: its top tokens and the chosen one
             entry = {"tokens": [llm.engine.text([t]) for t in completion.token_ids],
                      "token_logprobs": [top.get(t) for t, top in zip(completion.token_ids, tops, strict=False)],
                      "top_logprobs": [{llm.engine.text([k]): v for k, v in top.items()} for top in tops]}

@@ -87,17 +87,23 @@ class BlockSpaceManager:
         duplicate id, an empty prompt or one larger than the whole cache;
         ``OutOfBlocksError`` when too few blocks are free now. A refused call changes nothing.
         """
-        if seq_id in self.block_tables:
-            raise ValueError(f"sequence {seq_id!r} already has a block table")
-        if len(token_ids) < 1:
-            raise ValueError("a sequence needs at least one token")
-        needed = self.blocks_needed(len(token_ids))
-        if needed > self.num_total_blocks:
-            raise ValueError(f"sequence {seq_id!r} needs {needed} blocks; the cache has {self.num_total_blocks}")
+        needed = self.check_new(seq_id, len(token_ids))
         # BEGIN SOLUTION take every block at once from the allocator, record the table
         self.block_tables[seq_id] = BlockTable(self.allocator.allocate(needed), len(token_ids))
         return 0
         # END SOLUTION
+
+    def check_new(self, seq_id: Hashable, num_tokens: int) -> int:
+        """The blocks a new sequence of ``num_tokens`` tokens needs; ``ValueError`` for a duplicate
+        id, no tokens, or more blocks than the whole cache has (it could never fit)."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        if num_tokens < 1:
+            raise ValueError("a sequence needs at least one token")
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.num_total_blocks:
+            raise ValueError(f"sequence {seq_id!r} needs {needed} blocks; the cache has {self.num_total_blocks}")
+        return needed
 
     def table(self, seq_id: Hashable) -> BlockTable:
         """The ``BlockTable`` of ``seq_id``; ``KeyError`` if it has none (never allocated, or freed)."""

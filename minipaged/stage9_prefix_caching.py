@@ -155,11 +155,7 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         stops at the first miss; the block holding the last token is never looked up (its
         logits are needed). A refused call (``OutOfBlocksError``) gives back what it took.
         """
-        if seq_id in self.block_tables or len(token_ids) < 1:
-            raise ValueError(f"sequence {seq_id!r} already has a block table, or has no tokens")
-        size, needed, hits, digest = self.block_size, self.blocks_needed(len(token_ids)), [], ROOT
-        if needed > self.num_total_blocks:
-            raise ValueError(f"sequence {seq_id!r} needs {needed} blocks; the cache has {self.num_total_blocks}")
+        size, needed, hits, digest = self.block_size, self.check_new(seq_id, len(token_ids)), [], ROOT
         # BEGIN SOLUTION follow the chain of hashes over the full blocks before the last token's block
         for start in range(0, (len(token_ids) - 1) // size * size, size):
             candidate = block_hash(digest, token_ids[start:start + size])

@@ -123,8 +123,8 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, client):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
-    body = {"model": "tiny", "prompt": "Return the number of", "max_tokens": 200, "stream": True,
-            "extra_body": None, "ignore_eos": True}
+    before = metrics(server)
+    body = {"model": "tiny", "prompt": "Return the number of", "max_tokens": 240, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
@@ -137,6 +137,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
             break
         time.sleep(0.2)
     assert m["minipaged_requests_running"] == 0 and m["minipaged_kv_blocks_used"] == 0
+    # aborted, not run to its end: it never finished, and its 240 tokens were never served
+    assert m["minipaged_requests_finished_total"] == before["minipaged_requests_finished_total"]
+    assert m["minipaged_generation_tokens_total"] == before["minipaged_generation_tokens_total"]
 
 
 def test_models_health_metrics_state_and_the_live_page(server):
