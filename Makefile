@@ -34,8 +34,9 @@ browser:
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# Every test but the site's, which runs once the site is built (docs-build).
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not docs"
 
 # Every plausible wrong implementation in the catalogue must fail its stage's tests.
 mutants: $(STAMP)
@@ -47,15 +48,21 @@ notebooks: $(STAMP)
 	cp tutorials/*.ipynb $(NOTEBOOKS_OUT)/
 	$(PY) -m pytest -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=600 $(NOTEBOOKS_OUT)
 
+# The site (strict), with the executed notebooks where `make notebooks` ran; then its tests:
+# nothing is loaded from outside the site, and pages render in a browser kept offline.
 docs-build: $(STAMP)
+	$(PY) scripts/doc_figures.py
 	rm -rf docs/tutorials && mkdir -p docs/tutorials
 	if [ -d $(NOTEBOOKS_OUT) ]; then cp $(NOTEBOOKS_OUT)/*.ipynb docs/tutorials/; \
 	else cp tutorials/*.ipynb docs/tutorials/; fi
+	rm -rf build/site
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
+	MINIPAGED_SITE=build/site $(PY) -m pytest -p no:cacheprovider -m docs tests/test_site.py
 
 docs: $(STAMP)
 	$(MAKE) notebooks
 	rm -rf docs/tutorials && mkdir -p docs/tutorials && cp $(NOTEBOOKS_OUT)/*.ipynb docs/tutorials/
+	$(PY) scripts/doc_figures.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 bench: $(STAMP)

@@ -50,9 +50,10 @@ class Source:
         marked = [n - self.first_line + 1 for n in sorted(self.solution)
                   if self.first_line <= n <= self.last_line]
         formatter = HtmlFormatter(noclasses=True, style="friendly", linenos="inline",
-                                  linenostart=self.first_line, hl_lines=marked,
-                                  hl_color=SOLUTION_BACKGROUND, nobackground=True)
-        body = highlight(self.text, PythonLexer(), formatter)
+                                  linenostart=self.first_line, hl_lines=marked, nobackground=True)
+        body = highlight(self.text, PythonLexer(), formatter)  # inline styles: no CSS needed
+        body = body.replace(f"background-color: {formatter.style.highlight_color}",
+                            f"background-color: {SOLUTION_BACKGROUND}")
         body = body.replace("<pre ", '<pre class="minipaged-source-code" ', 1)
         legend = " · highlighted: the stage's solution" if marked else ""
         return (

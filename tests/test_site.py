@@ -1,0 +1,224 @@
+"""The documentation site stands alone: every page works offline, in a real browser.
+
+The site is ``$MINIPAGED_SITE`` when set (``make test`` builds it with the executed
+notebooks first), otherwise it is built here. Two checks:
+
+* every page and stylesheet is read, and any resource it loads from outside the site
+  (a script, stylesheet, font, image or frame with an address of its own) fails the test,
+  as does a local resource that is missing;
+* headless Chromium opens pages from a local server with every other host unreachable,
+  records every request the pages make, and checks that formulas were typeset by the
+  site's own MathJax and that every image loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urljoin, urlparse
+
+import pytest
+
+pytestmark = pytest.mark.docs
+
+ROOT = Path(__file__).resolve().parent.parent
+ABSOLUTE = re.compile(r"^(https?:)?//", re.I)
+CSS_URL = re.compile(r"""url\(\s*['"]?([^'")]+)['"]?\s*\)|@import\s+['"]([^'"]+)['"]""", re.I)
+RESOURCE_ATTRIBUTES = {  # tag: the attributes that make the browser fetch something
+    "script": ("src",), "link": ("href",), "img": ("src", "srcset"), "source": ("src", "srcset"),
+    "iframe": ("src",), "video": ("src", "poster"), "audio": ("src",), "embed": ("src",),
+    "object": ("data",), "input": ("src",),
+}
+NOT_FETCHED = {"canonical", "alternate", "next", "prev", "author", "license", "me"}
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory) -> Path:
+    if os.environ.get("MINIPAGED_SITE"):
+        site = Path(os.environ["MINIPAGED_SITE"])
+        assert (site / "index.html").is_file(), f"no built site at {site}"
+        return site
+    tutorials = ROOT / "docs" / "tutorials"  # what `make docs-build` puts there
+    if not any(tutorials.glob("*.ipynb")):
+        tutorials.mkdir(parents=True, exist_ok=True)
+        for notebook in (ROOT / "tutorials").glob("*.ipynb"):
+            shutil.copy2(notebook, tutorials / notebook.name)
+    site = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+                   cwd=ROOT, check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    return site
+
+
+class _Resources(HTMLParser):
+    """The addresses a page makes the browser fetch: attributes, inline styles, module imports."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+        self._in_script = self._in_style = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        rel = set((attrs.get("rel") or "").lower().split())
+        if tag == "link" and rel and rel <= NOT_FETCHED:
+            pass
+        else:
+            for name in RESOURCE_ATTRIBUTES.get(tag, ()):
+                for value in filter(None, [attrs.get(name)]):
+                    parts = value.split(",") if name == "srcset" else [value]
+                    self.found += [part.strip().split(" ")[0] for part in parts]
+        if attrs.get("style"):
+            self.found += [a or b for a, b in CSS_URL.findall(attrs["style"])]
+        self._in_script, self._in_style = tag == "script", tag == "style"
+
+    def handle_endtag(self, tag):
+        self._in_script = self._in_style = False
+
+    def handle_data(self, data):
+        if self._in_style:
+            self.found += [a or b for a, b in CSS_URL.findall(data)]
+        if self._in_script:  # `import x from "https://..."`, `import("https://...")`
+            self.found += re.findall(r"""(?:from|import\s*\()\s*["']((?:https?:)?//[^"']+)""", data)
+
+
+def _local_target(site: Path, page: Path, address: str) -> Path | None:
+    path = urlparse(address).path
+    if not path or address.startswith(("data:", "#", "blob:")):
+        return None
+    return (site / path.lstrip("/")) if path.startswith("/") else (page.parent / path)
+
+
+def test_no_page_or_stylesheet_loads_anything_from_outside_the_site(site):
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) >= 30, "the site is missing pages"
+    outside, missing = [], []
+    for page in pages:
+        if page.name == "404.html":  # served at any depth, so its links are absolute by design
+            continue
+        parser = _Resources()
+        parser.feed(page.read_text(encoding="utf-8"))
+        for address in parser.found:
+            if ABSOLUTE.match(address):
+                outside.append(f"{page.relative_to(site)}: {address}")
+            elif (target := _local_target(site, page, address)) and not target.exists():
+                missing.append(f"{page.relative_to(site)}: {address}")
+        if 'class="mermaid"' in page.read_text(encoding="utf-8"):  # the theme would fetch mermaid
+            outside.append(f"{page.relative_to(site)}: a mermaid diagram")
+    for sheet in site.rglob("*.css"):
+        for a, b in CSS_URL.findall(sheet.read_text(encoding="utf-8")):
+            if ABSOLUTE.match(a or b):
+                outside.append(f"{sheet.relative_to(site)}: {a or b}")
+    assert not outside, "resources from outside the site:\n" + "\n".join(outside)
+    assert not missing, "resources missing from the site:\n" + "\n".join(missing)
+
+
+def test_the_check_finds_what_it_looks_for():
+    parser = _Resources()
+    parser.feed('<link rel="stylesheet" href="https://fonts.example/css"><img srcset="a.png 1x, '
+                '//cdn.example/b.png 2x"><script type="module">import m from "https://cdn.example/m.js"'
+                '</script><div style="background: url(https://x.example/i.png)"></div>'
+                '<link rel="canonical" href="https://example.org/">')
+    assert [a for a in parser.found if ABSOLUTE.match(a)] == [
+        "https://fonts.example/css", "//cdn.example/b.png", "https://cdn.example/m.js",
+        "https://x.example/i.png"]
+
+
+def test_notebook_pages_can_be_downloaded_and_link_to_their_stage_and_exercise(site):
+    notebooks = sorted((site / "tutorials").glob("*.html"))
+    assert len(notebooks) == len(list((ROOT / "tutorials").glob("*.ipynb")))
+    for page in notebooks:
+        html = page.read_text(encoding="utf-8")
+        name = page.stem
+        assert (site / "tutorials" / f"{name}.ipynb").is_file()
+        assert f'href="{name}.ipynb" download' in html
+        number = int(name[:2])
+        if number > 9:  # serving has no stage
+            continue
+        stage = re.search(rf'href="\.\./stages/({number}_\w+)\.html"', html)
+        assert stage and (site / "stages" / f"{stage.group(1)}.html").is_file(), name
+        assert f'href="../exercises/stage{number}.html"' in html, name
+        assert (site / "exercises" / f"stage{number}.html").is_file()
+        stage_page = (site / "stages" / f"{stage.group(1)}.html").read_text(encoding="utf-8")
+        assert f"../tutorials/{name}.html" in stage_page  # and back
+        assert f"../exercises/stage{number}.html" in stage_page
+
+
+@pytest.fixture(scope="module")
+def served(site):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("needs Debian's chromium and chromium-driver (make installs them where it can)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1280,900",
+                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):  # offline but for us
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+def _requests(browser) -> list[str]:
+    urls = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    return urls
+
+
+# A page of each kind: prose with formulas, a notebook with formulas and figures, the home page.
+PAGES_WITH_MATH = ["stages/5_triton_attention.html", "tutorials/05_triton_kernel.html"]
+PAGES = ["index.html", *PAGES_WITH_MATH, "tutorials/09_prefix_caching.html", "stages/1_block_allocator.html"]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_render_in_a_browser_that_cannot_reach_the_internet(page, served, browser):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get_log("performance")  # forget earlier pages
+    browser.get(urljoin(served + "/", page))
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait.until(lambda b: b.execute_script("return document.readyState") == "complete")
+    if page in PAGES_WITH_MATH:
+        wait.until(lambda b: b.execute_script(
+            "return window.MathJax && MathJax.Hub && MathJax.Hub.queue.pending === 0 "
+            "&& document.querySelectorAll('.MathJax').length > 0"))
+        errors = browser.execute_script("return [...document.querySelectorAll('.MathJax .noError, "
+                                        ".MathJax .merror')].map(e => e.textContent)")
+        assert not errors, f"formulas MathJax could not typeset: {errors[:3]}"
+        leftover = browser.execute_script(
+            "return [...document.querySelectorAll('.arithmatex')].filter("
+            "e => !e.querySelector('.MathJax')).map(e => e.textContent)")
+        assert not leftover, f"formulas left as source: {leftover[:3]}"
+    broken = browser.execute_script(
+        "return [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
+    assert not broken, f"images that did not load: {broken}"
+    outside = [url for url in _requests(browser) if not url.startswith((served, "data:", "blob:", "about:"))]
+    assert not outside, f"{page} asked for {outside}"
