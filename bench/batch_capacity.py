@@ -1,6 +1,6 @@
 """How many requests run at once in one KV budget? (the vLLM paper's Figure 13)
 
-One budget, the paper's for OPT-13B on an A100-40GB: 12 GiB of KV cache, 800 KB per token,
+One budget, the paper's for OPT-13B on an A100-40GB: 12 GiB of KV cache, 800 KiB per token,
 15,728 token slots. Requests from a ShareGPT-like or Alpaca-like trace (bench/workloads.py)
 arrive at several rates and are served first come, first served, with no model: each step
 every running request produces one token. Contiguous reservation (stage 0, policies

@@ -1,4 +1,4 @@
-"""What does prefix caching buy when requests share a prefix? (the vLLM paper's Figure 17)
+"""What does prefix caching buy when requests share a prefix? (the vLLM paper's Figure 16)
 
 The tiny model serves 32 requests that share a prefix — a one-shot prefix of about 80
 tokens and a five-shot prefix of about 340 — each followed by its own question of 8 to 24

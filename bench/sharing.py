@@ -1,4 +1,4 @@
-"""How much KV memory does sharing save, for parallel sampling and beam search? (the vLLM paper's Figure 15)
+"""How much KV memory does sharing save, for parallel sampling and beam search? (the vLLM paper's Figure 15, on Alpaca; §6.3 on ShareGPT)
 
 Runs the tiny model through minipaged's engine on ShareGPT-like and Alpaca-like requests
 (the paper's mean lengths, each request clipped to 500 tokens): parallel sampling with

@@ -1,6 +1,6 @@
 """Synthetic ShareGPT-like and Alpaca-like request traces, as the vLLM paper describes them.
 
-The paper (its Table 1 / Figure 11) reports mean input and output lengths of 161.31 and
+The paper (its Figure 11) reports mean input and output lengths of 161.31 and
 337.99 tokens for ShareGPT and 19.31 and 58.45 for Alpaca, with requests capped at 2,048
 tokens, and Poisson arrivals. The raw datasets are not used here (nothing is downloaded);
 instead lengths are drawn, seeded, from log-normal distributions (sigma 1.0, a long right
@@ -22,7 +22,7 @@ TRACES = {
     "Alpaca": {"mean_prompt": 19.31, "mean_output": 58.45},
 }
 MAX_LEN = 2048
-OPT_13B_SLOTS = 15_728  # 12 GiB of KV cache on an A100-40GB / 800 KB per token (OPT-13B, float16)
+OPT_13B_SLOTS = 15_728  # 12 GiB of KV cache on an A100-40GB / 800 KiB per token (OPT-13B, float16)
 
 
 def trace(name: str, num_requests: int, rate: float, seed: int = 0, max_len: int = MAX_LEN) -> list[Request]:
