@@ -222,3 +222,13 @@ def test_pages_render_in_a_browser_that_cannot_reach_the_internet(page, served, 
     assert not broken, f"images that did not load: {broken}"
     outside = [url for url in _requests(browser) if not url.startswith((served, "data:", "blob:", "about:"))]
     assert not outside, f"{page} asked for {outside}"
+
+
+def test_a_page_opened_from_the_folder_shows_its_figures_and_links_to_files(site, browser):
+    browser.get((site / "stages" / "1_block_allocator.html").resolve().as_uri())
+    images = browser.execute_script("return [...document.images].map(i => i.naturalWidth)")
+    assert images and all(width > 0 for width in images)
+    links = browser.execute_script(
+        "return [...document.querySelectorAll('nav a.md-nav__link[href]')].map(a => a.href)")
+    pages = [link for link in links if link.startswith("file:") and "#" not in link]
+    assert pages and all(link.endswith(".html") for link in pages), pages[:5]
