@@ -15,12 +15,15 @@ COLORS = {
 
 
 def plot_arena(cache: ContiguousKVCache, next_reservation: int | None = None, ax=None, title=None):
-    """Draw the arena as one row of slots, coloured by kind; label each slab by request."""
+    """Draw the arena as one row of slots, coloured by kind; label each slab by request.
+
+    The legend sits to the right of the row; with several rows, keep it on the first.
+    """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 1.4))
+        _, ax = plt.subplots(figsize=(8, 1.4))
     for slab in cache.slabs.values():
         used = max(slab.need, slab.num_tokens)
         parts = [("token", slab.num_tokens), ("reserved", used - slab.num_tokens),
@@ -31,7 +34,8 @@ def plot_arena(cache: ContiguousKVCache, next_reservation: int | None = None, ax
                 ax.broken_barh([(x, width)], (0, 1), color=COLORS[kind])
             x += width
         ax.broken_barh([(slab.start, slab.size)], (0, 1), facecolor="none", edgecolor="black")
-        ax.text(slab.start + slab.size / 2, 0.5, str(slab.request_id), ha="center", va="center")
+        ax.text(slab.start + slab.size / 2, 0.5, str(slab.request_id), ha="center", va="center", fontsize=10,
+                bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.85))
     for start, length in cache.holes():
         small = next_reservation is not None and length < next_reservation
         ax.broken_barh([(start, length)], (0, 1), color=COLORS["external" if small else "free"])
@@ -40,8 +44,8 @@ def plot_arena(cache: ContiguousKVCache, next_reservation: int | None = None, ax
     ax.set_xlabel("slot")
     if title:
         ax.set_title(title, loc="left")
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in KINDS],
-              ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.6), frameon=False)
+    ax.legend(handles=[Patch(facecolor=COLORS[k], edgecolor="#aaaaaa" if k == "free" else COLORS[k], label=k)
+                       for k in KINDS], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
     return ax
 
 
@@ -69,19 +73,25 @@ def plot_usage(results: list[SimulationResult], ax=None, labels=None):
 SEQ_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
 
 
-def plot_block_tables(manager, ax=None, title=None, seq_ids=None, colors=None):
+def plot_block_tables(manager, ax=None, title=None, seq_ids=None, colors=None, copies=()):
     """Each sequence's logical blocks (top rows) and the physical blocks they map to (bottom).
 
-    Logical blocks show the physical id they map to and how full they are; physical
-    blocks are coloured by their owner, hatched and marked ``xN`` when N sequences share
-    them, grey when free. ``colors`` maps sequence ids to colours (to keep them across
-    pictures).
+    A logical block shows the physical id it maps to, shaded as far as it holds tokens. A
+    physical block is coloured by the one sequence holding it, light grey and hatched when
+    several share it (``×N`` under it: N holders), pale grey when free; a shared block's id
+    sits on a white label, so the hatching never hides it. ``copies`` — ``(source,
+    destination)`` pairs, as copy-on-write queues them — are drawn as arrows under the
+    physical row, each destination outlined in red, in the physical row and in the table
+    that now holds it.
+    ``colors`` maps sequence ids to colours (to keep them across pictures).
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import FancyArrowPatch, Rectangle
 
     seq_ids = list(manager.block_tables) if seq_ids is None else list(seq_ids)
     num_blocks, block_size = manager.num_total_blocks, manager.block_size
+    copies = [(int(s), int(d)) for s, d in copies]
+    copied = {d for _, d in copies}
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, 0.45 * num_blocks + 2), 1.0 + 0.55 * len(seq_ids) + 1.2))
     owners: dict[int, list] = {}
@@ -90,62 +100,233 @@ def plot_block_tables(manager, ax=None, title=None, seq_ids=None, colors=None):
             owners.setdefault(block_id, []).append(seq_id)
     color = {s: SEQ_COLORS[i % len(SEQ_COLORS)] for i, s in enumerate(seq_ids)}
     color.update(colors or {})
+    label_box = dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none")
+    red = "#d62728"
     bottom = -1.6
     for row, seq_id in enumerate(seq_ids):
         y = len(seq_ids) - 1 - row
         table = manager.block_tables[seq_id]
-        ax.text(-0.4, y + 0.4, str(seq_id), ha="right", va="center")
+        ax.text(-0.4, y + 0.4, str(seq_id), ha="right", va="center", fontsize=10)
         for j, block_id in enumerate(table.block_ids):
             fill = min(block_size, table.num_tokens - j * block_size) / block_size
             ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[seq_id]))
             ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=color[seq_id], alpha=0.35))
-            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=8)
+            if block_id in copied:
+                ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="none", edgecolor=red, lw=2.2))
+            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=9)
             ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[seq_id], alpha=0.4, lw=1)
+    width = max((len(manager.block_tables[s].block_ids) for s in seq_ids), default=0)
+    for j in range(width):
+        ax.text(j + 0.45, len(seq_ids) - 0.1, str(j), ha="center", va="bottom", fontsize=8, color="#666666")
+    ax.text(-0.4, len(seq_ids) - 0.1, "logical block", ha="right", va="bottom", fontsize=8, color="#666666")
+    shared = False
     for block_id in range(num_blocks):
         holders = owners.get(block_id, [])
-        face = "#eeeeee" if not holders else color[holders[0]] if len(holders) == 1 else "#bbbbbb"
-        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black",
-                               hatch="//" if len(holders) > 1 else None, lw=0.6))
-        label = f"x{len(holders)}" if len(holders) > 1 else str(block_id)
-        ax.text(block_id + 0.45, bottom + 0.4, label, ha="center", va="center", fontsize=7)
-    ax.text(-0.4, bottom + 0.4, "physical", ha="right", va="center")
+        face = "#f4f4f4" if not holders else color[holders[0]] if len(holders) == 1 else "#dddddd"
+        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="#999999",
+                               hatch="///" if len(holders) > 1 else None, lw=0))
+        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", lw=2.2 if block_id in copied else 0.6,
+                               edgecolor=red if block_id in copied else "black"))
+        ax.text(block_id + 0.45, bottom + 0.4, str(block_id), ha="center", va="center", fontsize=9,
+                bbox=label_box if len(holders) > 1 else None)
+        if len(holders) > 1:
+            shared = True
+            ax.text(block_id + 0.45, bottom - 0.25, f"×{len(holders)}", ha="center", va="center", fontsize=9)
+    for source, destination in copies:  # down from the source, across, up into the destination
+        x0, x1, y = source + 0.45, destination + 0.45, bottom - 0.7
+        ax.plot([x0, x0, x1], [bottom - 0.42, y, y], color=red, lw=1.5)
+        ax.add_patch(FancyArrowPatch((x1, y), (x1, bottom - 0.02), arrowstyle="-|>", mutation_scale=12,
+                                     color=red, lw=1.5, shrinkA=0, shrinkB=0))
+        ax.text((x0 + x1) / 2, y - 0.08, f"copy {source} → {destination}", ha="center", va="top",
+                fontsize=9, color=red)
+    ax.text(-0.4, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
+    if shared:
+        ax.text(-0.4, bottom - 0.25, "holders", ha="right", va="center", fontsize=9)
+    low = bottom - (1.25 if copies else 0.45 if shared else 0.3)
     ax.set_xlim(-2.5, max(num_blocks, 1) + 0.5)
-    ax.set_ylim(bottom - 0.3, len(seq_ids) + 0.1)
+    ax.set_ylim(low, len(seq_ids) + 0.35)
     ax.axis("off")
     if title:
-        ax.set_title(title, loc="left")
+        ax.set_title(title, loc="left", fontsize=10)
     return ax
 
 
-def plot_gather(block_table, seq_len: int, block_size: int, num_blocks: int, ax=None, title=None):
-    """How a block table drives the gather: physical slots (top) to contiguous K/V rows (bottom)."""
+def plot_block_owners(history, ax=None, title=None):
+    """Which request holds each physical block, step after step.
+
+    ``history[step][block]`` is the id of the request holding ``block`` after ``step``, or
+    ``-1`` when the block is free. One row per block, one column per step; each request has
+    a colour, and its id is written on each stretch of steps in which it holds a block.
+    Free blocks are white.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    grid = np.array(history).T  # (num_blocks, num_steps)
+    num_blocks, num_steps = grid.shape
+    palette = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
+               "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f"]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.16 * num_blocks + 1.0))
+    shown = np.ma.masked_less(grid, 0) % len(palette)
+    ax.imshow(shown, cmap=ListedColormap(palette), vmin=0, vmax=len(palette) - 1, aspect="auto",
+              interpolation="nearest", extent=(-0.5, num_steps - 0.5, num_blocks - 0.5, -0.5))
+    for block in range(num_blocks):
+        step = 0
+        while step < num_steps:
+            end = step
+            while end + 1 < num_steps and grid[block, end + 1] == grid[block, step]:
+                end += 1
+            if grid[block, step] >= 0:
+                ax.add_patch(plt.Rectangle((step - 0.5, block - 0.5), end - step + 1, 1, facecolor="none",
+                                           edgecolor="white", lw=0.8))
+                if end - step >= 2:
+                    ax.text((step + end) / 2, block, str(grid[block, step]), ha="center", va="center", fontsize=8)
+            step = end + 1
+    ax.set_xlabel("step")
+    ax.set_ylabel("physical block")
+    ax.set_yticks(range(0, num_blocks, 4))
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax
+
+
+def plot_gather(block_table, seq_len: int, block_size: int, num_blocks: int, ax=None, title=None,
+                tile: int | None = None):
+    """How a block table maps logical positions (bottom) to physical slots (top).
+
+    Token ``t`` (the number in each cell) is read from slot ``t % block_size`` of block
+    ``block_table[t // block_size]``. With ``tile``, the logical positions are grouped in tiles
+    of that many tokens, as a kernel reads them; the last tile's positions past ``seq_len``
+    are masked (hatched).
+    """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
     block_table = [int(b) for b in block_table]
     width = num_blocks * block_size
+    shown = -(-seq_len // tile) * tile if tile else seq_len
+    left = (width - shown) / 2  # the logical row, centred under the cache
+    top = 3.2  # the cache's row
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.8))
+        _, ax = plt.subplots(figsize=(7, 3))
     for block_id in range(num_blocks):  # the physical cache, slot by slot
-        ax.add_patch(Rectangle((block_id * block_size, 2), block_size, 1, facecolor="#eeeeee",
-                               edgecolor="black", lw=0.8))
-        ax.text(block_id * block_size + block_size / 2, 3.25, f"block {block_id}", ha="center", fontsize=7)
+        for face, edge, z in (("#eeeeee", "none", 0), ("none", "black", 2)):
+            ax.add_patch(Rectangle((block_id * block_size, top), block_size, 1, facecolor=face,
+                                   edgecolor=edge, lw=1.2, zorder=z))
+        ax.text(block_id * block_size + block_size / 2, top + 1.15, f"block {block_id}", ha="center",
+                va="bottom", fontsize=9)
     for t in range(seq_len):
-        logical = t // block_size
-        color = SEQ_COLORS[logical % len(SEQ_COLORS)]
-        x_phys = block_table[logical] * block_size + t % block_size
-        x_cont = t * width / max(seq_len, 1) * 0.6 + width * 0.2
-        w_cont = width / max(seq_len, 1) * 0.6
-        ax.add_patch(Rectangle((x_phys, 2), 1, 1, facecolor=color, alpha=0.8))
-        ax.add_patch(Rectangle((x_cont, 0), w_cont, 1, facecolor=color, alpha=0.8, edgecolor="white"))
-        ax.plot([x_phys + 0.5, x_cont + w_cont / 2], [2, 1], color=color, alpha=0.35, lw=0.8)
-    ax.text(width * 0.2 - 1, 0.5, "gathered K/V", ha="right", va="center", fontsize=8)
-    ax.set_xlim(-width * 0.02, width * 1.02)
-    ax.set_ylim(-0.3, 3.6)
+        color = SEQ_COLORS[(t // block_size) % len(SEQ_COLORS)]
+        x_phys = block_table[t // block_size] * block_size + t % block_size
+        for x, y in ((x_phys, top), (left + t, 0)):
+            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white", lw=1, zorder=1))
+            ax.text(x + 0.5, y + 0.5, str(t), ha="center", va="center", fontsize=9, color="white", zorder=3)
+        ax.plot([x_phys + 0.5, left + t + 0.5], [top, 1], color=color, alpha=0.6, lw=0.9)
+    for t in range(seq_len, shown):  # masked positions of the last tile
+        ax.add_patch(Rectangle((left + t, 0), 1, 1, facecolor="white", edgecolor="#999999", hatch="///", lw=0.8))
+    if tile:
+        for k, start in enumerate(range(0, shown, tile)):
+            x0, x1 = left + start + 0.08, left + start + tile - 0.08
+            ax.plot([x0, x0, x1, x1], [-0.12, -0.3, -0.3, -0.12], color="black", lw=1)
+            ax.text((x0 + x1) / 2, -0.4, f"tile {k}", ha="center", va="top", fontsize=9)
+    ax.text(-0.3, top + 0.5, "physical\nslots", ha="right", va="center", fontsize=9)
+    ax.text(left - 0.3, 0.5, "logical\nposition t", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-3.2, width + 0.2)
+    ax.set_ylim(-1.0 if tile else -0.2, top + 2)
+    ax.set_aspect("equal")
     ax.axis("off")
     if title:
-        ax.set_title(title, loc="left")
+        ax.set_title(title, loc="left", fontsize=10)
     return ax
+
+
+def plot_batched_gather(block_tables, seq_lens, block_size: int, ax=None, title=None):
+    """Decode's gather of a whole batch: every sequence padded to the longest, and masked.
+
+    One row per sequence, one cell per position of the padded batch, grouped in blocks; each
+    block is labelled with the id read — the table's entry, or 0 where the entry lies past
+    the sequence's blocks (such entries are never trusted). Hatched positions are masked out.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    tables = [[int(b) for b in row] for row in block_tables]
+    lens = [int(n) for n in seq_lens]
+    width = -(-max(lens) // block_size)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.5 * len(lens) + 1.0))
+    for i, n in enumerate(lens):
+        y = len(lens) - 1 - i
+        color = SEQ_COLORS[i % len(SEQ_COLORS)]
+        for t in range(width * block_size):
+            used = t < n
+            ax.add_patch(Rectangle((t, y), 1, 0.8, facecolor=color if used else "white", alpha=0.35 if used else 1,
+                                   edgecolor="#bbbbbb", hatch=None if used else "///", lw=0.6))
+        for j in range(width):
+            entry = tables[i][j]
+            label = f"block {entry}" if j * block_size < n else f"{entry} → 0"
+            ax.add_patch(Rectangle((j * block_size, y), block_size, 0.8, facecolor="none", edgecolor="black", lw=1.2))
+            ax.text(j * block_size + block_size / 2, y + 0.4, label, ha="center", va="center", fontsize=9,
+                    bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.8))
+        ax.text(-0.3, y + 0.4, f"seq {i}, {n} tokens", ha="right", va="center", fontsize=9)
+    for t in range(width * block_size):
+        ax.text(t + 0.5, len(lens) - 0.05, str(t), ha="center", va="bottom", fontsize=8, color="#555555")
+    ax.text(-0.3, len(lens) + 0.05, "position", ha="right", va="bottom", fontsize=8, color="#555555")
+    ax.set_xlim(-4.5, width * block_size + 0.2)
+    ax.set_ylim(-0.1, len(lens) + 0.5)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax
+
+
+def plot_online_softmax(scores, tile: int, running_max, alpha, outputs, exact, axes=None):
+    """The online softmax, tile by tile: the running max, the rescaling factor, the running output.
+
+    ``running_max[k]``, ``alpha[k]`` and ``outputs[k]`` (``acc / l``, a few of its dims) are the
+    values after tile ``k``; ``exact`` is the softmax-weighted sum over all the scores.
+    """
+    import matplotlib.pyplot as plt
+
+    scores = [float(s) for s in scores]
+    n, tiles = len(scores), len(running_max)
+    starts = [k * tile for k in range(tiles)]
+    ends = [min(s + tile, n) for s in starts]
+    if axes is None:
+        _, axes = plt.subplots(3, 1, figsize=(7, 6), sharex=True, gridspec_kw=dict(hspace=0.45))
+    ax = axes[0]
+    ax.plot(range(n), scores, lw=0.6, color="#aaaaaa", label="scores $s_j$")
+    ax.step(starts + [n], list(running_max) + [running_max[-1]], where="post", color="#d95f02", lw=2,
+            label="running max $m$ after each tile")
+    low, high = min(scores), max(scores)
+    ax.set_ylim(low - 0.05 * (high - low), high + 0.45 * (high - low))
+    ax.set_title("the running max $m$ rises whenever a tile holds a larger score", loc="left", fontsize=10)
+    ax.legend(loc="upper left", fontsize=9, frameon=False, ncol=2)
+    ax = axes[1]
+    ax.bar([(s + e) / 2 for s, e in zip(starts, ends, strict=True)], alpha, width=0.8 * tile, color="#7570b3")
+    for s, e, a in zip(starts, ends, alpha, strict=True):
+        ax.text((s + e) / 2, a + 0.04, f"{a:.2f}" if a else "0", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, 1.3)
+    ax.set_ylabel(r"$\alpha = e^{m - m'}$", fontsize=10)
+    ax.set_title(r"each tile rescales $\ell$ and acc by $\alpha$ (1: the max did not change)", loc="left", fontsize=10)
+    ax = axes[2]
+    outputs = [[float(x) for x in row] for row in outputs]
+    for d in range(len(outputs[0])):
+        color = SEQ_COLORS[d % len(SEQ_COLORS)]
+        ax.plot(ends, [row[d] for row in outputs], "o-", color=color, lw=1.5, ms=4)
+        ax.axhline(float(exact[d]), color=color, ls="--", lw=1)
+        ax.text(ends[0] - tile * 0.15, outputs[0][d], f"dim {d}", ha="right", va="center", fontsize=9, color=color)
+    ax.set_title(r"acc / $\ell$ after each tile reaches the exact output (dashed) at the last", loc="left",
+                 fontsize=10)
+    ax.set_xlabel("token", fontsize=10)
+    ax.set_xticks(starts + [n])
+    for ax in axes:
+        for s in starts[1:]:
+            ax.axvline(s, color="#cccccc", lw=0.6, ls=":", zorder=0)
+        ax.tick_params(labelsize=9)
+    return axes
 
 
 def plot_split_kv(seq_len: int, partition_size: int, tile: int, ax=None):
@@ -154,7 +335,7 @@ def plot_split_kv(seq_len: int, partition_size: int, tile: int, ax=None):
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3))
+        _, ax = plt.subplots(figsize=(7, 2.6))
     parts = -(-seq_len // partition_size)
     for p in range(parts):
         start, end = p * partition_size, min((p + 1) * partition_size, seq_len)
@@ -163,17 +344,68 @@ def plot_split_kv(seq_len: int, partition_size: int, tile: int, ax=None):
             ax.add_patch(Rectangle((t, 2), min(tile, end - t), 0.8, facecolor=color, alpha=0.5,
                                    edgecolor="white"))
         mid = (start + end) / 2
-        ax.text(mid, 2.95, f"program {p}\ntokens {start}-{end - 1}", ha="center", fontsize=8)
+        ax.text(mid, 2.95, f"program {p}\ntokens {start}–{end - 1}", ha="center", fontsize=9)
         half = 0.45 * min(partition_size, end - start)
-        ax.add_patch(Rectangle((mid - half, 0.9), 2 * half, 0.5, facecolor=color, alpha=0.8))
-        ax.text(mid, 1.15, f"m{p}, l{p}, acc{p}", ha="center", va="center", fontsize=8, color="white")
+        ax.add_patch(Rectangle((mid - half, 0.9), 2 * half, 0.5, facecolor=color, alpha=0.85))
+        ax.text(mid, 1.15, f"$m_{p},\\ \\ell_{p},\\ \\mathrm{{acc}}_{p}$", ha="center", va="center",
+                fontsize=10, color="white")
         ax.add_patch(FancyArrowPatch((mid, 2), (mid, 1.4), arrowstyle="->", mutation_scale=10))
-        ax.add_patch(FancyArrowPatch((mid, 0.9), (seq_len / 2, 0.35), arrowstyle="->", mutation_scale=10))
-    ax.text(seq_len / 2, 0.1, "reduce: out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p",
-            ha="center", fontsize=9)
-    ax.set_xlim(-seq_len * 0.02, seq_len * 1.02)
-    ax.set_ylim(-0.2, 3.6)
+        ax.add_patch(FancyArrowPatch((mid, 0.9), (seq_len / 2, 0.4), arrowstyle="->", mutation_scale=10))
+    ax.text(seq_len / 2, 0.05, r"reduce:  $o = \sum_p e^{m_p - M}\,\mathrm{acc}_p \;/\; \sum_p e^{m_p - M}\,\ell_p$,"
+            r"  $M = \max_p m_p$", ha="center", fontsize=10)
+    ax.text(0, 3.75, f"one sequence of {seq_len} tokens, partitions of {partition_size}, tiles of {tile}",
+            fontsize=9, color="#555555")
+    ax.set_xlim(-seq_len * 0.01, seq_len * 1.01)
+    ax.set_ylim(-0.15, 4.0)
     ax.axis("off")
+    return ax
+
+
+def plot_prefill_tiles(context: int, q_len: int, block_m: int, block_n: int, ax=None, title=None):
+    """The prefill kernel's causal mask for a chunk of ``q_len`` queries after ``context`` tokens.
+
+    Query ``i`` sits at absolute position ``context + i`` and sees keys ``pos <= context + i``.
+    The grid lines are the tiles: ``block_m`` queries per program, ``block_n`` keys per step of
+    its loop; a program stops at ``hi = context + (tile + 1) * block_m`` (or the sequence's
+    end), so the key tiles to the right of that are never loaded.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    seq_len = context + q_len
+    cols = -(-seq_len // block_n) * block_n
+    rows = np.arange(q_len)[:, None]
+    pos = np.arange(cols)[None, :]
+    hi = np.minimum(seq_len, context + (rows // block_m + 1) * block_m)
+    loaded = (pos // block_n) * block_n < hi  # the key tiles the loop visits
+    grid = np.where(~loaded, 0, np.where((pos <= context + rows) & (pos < seq_len), 2, 1))
+    colors = ["#e0e0e0", "#fdd0a2", "#3182bd"]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.3))
+    ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=2, aspect="auto", interpolation="nearest",
+              extent=(0, cols, q_len, 0))
+    for x in range(block_n, cols, block_n):
+        ax.axvline(x, color="black", lw=0.8)
+    for y in range(block_m, q_len, block_m):
+        ax.axhline(y, color="black", lw=0.8)
+    ax.axvline(context, color="#d95f02", lw=2, ls="--")
+    ax.axvline(seq_len, color="black", lw=1.5)
+    ax.text(context / 2, -2, "cached prefix", ha="center", va="bottom", fontsize=9, color="#d95f02")
+    ax.text((context + seq_len) / 2, -2, "the chunk's own tokens", ha="center", va="bottom", fontsize=9)
+    ax.text(seq_len, -2, "end", ha="center", va="bottom", fontsize=9)
+    ax.set_xlabel(f"key position (absolute, 0 … {seq_len - 1})", fontsize=10)
+    ax.set_ylabel(f"query i of the chunk (at position {context} + i)", fontsize=10)
+    ax.set_xticks(range(0, cols + 1, block_n))
+    ax.set_yticks(range(0, q_len + 1, block_m))
+    ax.tick_params(labelsize=9)
+    ax.legend(handles=[Patch(color=colors[2], label="visible: pos ≤ context + i"),
+                       Patch(color=colors[1], label="loaded, masked out"),
+                       Patch(color=colors[0], label="key tile never loaded")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=9, frameon=False)
+    if title:
+        ax.set_title(title, loc="left", fontsize=10, pad=18)
     return ax
 
 
@@ -199,7 +431,7 @@ def plot_schedule(history: list[dict], labels: dict | None = None, ax=None, titl
         for row, seq_id in enumerate(seq_ids):
             grid[row, t] = order.index(step.get(seq_id, "waiting" if t == 0 else "finished"))
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.35 * len(seq_ids) + 1.2))
+        _, ax = plt.subplots(figsize=(7, 0.3 * len(seq_ids) + 1.2))
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(STATUS_COLORS.values())),
               vmin=0, vmax=len(order) - 1)
     running = order.index("running")
@@ -210,9 +442,124 @@ def plot_schedule(history: list[dict], labels: dict | None = None, ax=None, titl
     labels = labels or {}
     ax.set_yticks(range(len(seq_ids)), [labels.get(s, str(s)) for s in seq_ids])
     ax.set_xlabel("step")
+    ax.set_ylabel("request")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in STATUS_COLORS.items() if k != "finished"]
               + [plt.Line2D([], [], color="#d95f02", marker="x", ls="", label="preempted")],
               loc="upper left", bbox_to_anchor=(1, 1), frameon=False)
     if title:
         ax.set_title(title, loc="left")
+    return ax
+
+
+def plot_engine_steps(records: list[dict], num_blocks: int, title=None):
+    """One engine run, step by step: the batch's tokens, the queues, the blocks in use.
+
+    ``records[step]`` holds ``prefill`` and ``decode`` (the tokens the step computed),
+    ``running``, ``waiting`` and ``swapped`` (sequences in each queue after it), ``blocks``
+    (GPU blocks in use after it) and ``preempted`` (groups preempted in it).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    steps = np.arange(1, len(records) + 1)
+    column = {key: np.array([r[key] for r in records]) for key in records[0]}
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(7, 5.2), sharex=True, height_ratios=[1.3, 1, 1])
+    ax1.bar(steps, column["decode"], width=1.0, color=COLORS["token"], label="decode tokens (1 per sequence)")
+    ax1.bar(steps, column["prefill"], width=1.0, bottom=column["decode"], color="#fd8d3c",
+            label="prefill tokens (whole prompts)")
+    ax1.set_ylabel("tokens\nin the step")
+    ax1.legend(loc="upper right", frameon=False, fontsize=9)
+    bottom = np.zeros(len(records))
+    for key, label in (("running", "running"), ("swapped", "swapped out"), ("waiting", "waiting")):
+        color = {"running": STATUS_COLORS["running"], "swapped": "#b2abd2", "waiting": "#bbbbbb"}[key]
+        ax2.fill_between(steps, bottom, bottom + column[key], step="mid", color=color, label=label, lw=0)
+        bottom = bottom + column[key]
+    ax2.set_ylabel("sequences")
+    ax2.legend(loc="upper right", frameon=False, fontsize=9)
+    ax3.step(steps, column["blocks"], where="mid", color="#444444", label="blocks in use")
+    ax3.axhline(num_blocks, color="#999999", lw=0.8, ls="--", label=f"all {num_blocks} blocks")
+    hit = column["preempted"] > 0
+    ax3.plot(steps[hit], column["blocks"][hit], "x", color="#d62728", mew=2, label="a preemption")
+    ax3.set_ylim(0, num_blocks * 1.3)
+    ax3.set_ylabel("GPU blocks")
+    ax3.set_xlabel("engine step")
+    ax3.legend(loc="lower left", frameon=False, fontsize=9, ncol=3)
+    ax3.set_xlim(0.5, len(records) + 0.5)
+    if title:
+        ax1.set_title(title, loc="left")
+    fig.align_ylabels()
+    fig.tight_layout()
+    return fig
+
+
+def plot_shared_blocks(manager, rows: dict, num_blocks: int | None = None, ax=None, title=None, legend=True):
+    """Block tables (top, one row per sequence) over the physical blocks (bottom), with reference counts.
+
+    ``rows`` maps a label to a sequence id of ``manager``. A logical block shows the
+    physical block it maps to, filled as far as it holds tokens. A physical block is
+    coloured by the one sequence holding it, grey and hatched when several share it; the
+    number under it is its reference count. With a prefix-caching allocator, a block whose
+    hash is in the table (findable by a later prompt) has a thick blue outline, and a cached
+    block that nobody holds (free, yet kept, in the evictor) is white with that outline.
+    Only the first ``num_blocks`` physical blocks are drawn (default: all).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    LABEL_BOX = {"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}  # noqa: N806
+    allocator, block_size = manager.allocator, manager.block_size
+    num_blocks = num_blocks or manager.num_total_blocks
+    labels = list(rows)
+    color = {label: SEQ_COLORS[i % len(SEQ_COLORS)] for i, label in enumerate(labels)}
+    holders: dict[int, list] = {}
+    for label in labels:
+        for block_id in manager.block_tables[rows[label]].block_ids:
+            holders.setdefault(block_id, []).append(label)
+    hashed = set(getattr(allocator, "hash_of", {}))
+    width = max(num_blocks, *(len(manager.block_tables[s].block_ids) for s in rows.values()))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.9))
+    bottom = -1.7
+    for row, label in enumerate(labels):
+        y = len(labels) - 1 - row
+        table = manager.block_tables[rows[label]]
+        ax.text(-0.3, y + 0.4, label, ha="right", va="center", fontsize=10)
+        for j, block_id in enumerate(table.block_ids):
+            fill = min(block_size, table.num_tokens - j * block_size) / block_size
+            shared = len(holders[block_id]) > 1
+            ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[label], lw=1.2))
+            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor="#aaaaaa" if shared else color[label],
+                                   alpha=0.7, hatch="///" if shared else None, lw=0))
+            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=10,
+                    bbox=LABEL_BOX if shared else None)
+            if block_id < num_blocks:  # behind the boxes
+                ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[label], alpha=0.4, lw=1,
+                        zorder=0.5)
+    for block_id in range(num_blocks):
+        owners = holders.get(block_id, [])
+        refs = allocator.ref_count(block_id) if not allocator.is_free(block_id) else 0
+        face = "#f2f2f2" if allocator.is_free(block_id) and block_id not in hashed else \
+            "white" if not owners else color[owners[0]] if len(owners) == 1 else "#aaaaaa"
+        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black", lw=0.6,
+                               alpha=0.8, hatch="///" if len(owners) > 1 else None))
+        if block_id in hashed:
+            ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", edgecolor="#08519c", lw=2.5))
+        ax.text(block_id + 0.45, bottom + 0.4, str(block_id), ha="center", va="center", fontsize=10,
+                bbox=LABEL_BOX if len(owners) > 1 else None)
+        if not allocator.is_free(block_id) or block_id in hashed:
+            ax.text(block_id + 0.45, bottom - 0.3, f"×{refs}", ha="center", va="center", fontsize=9)
+    ax.text(-0.3, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
+    ax.text(-0.3, bottom - 0.3, "references", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-2.6, width + 0.1)
+    ax.set_ylim(bottom - 0.7, len(labels) - 0.1)
+    ax.axis("off")
+    if legend:
+        handles = [Patch(facecolor="#aaaaaa", hatch="///", edgecolor="black", lw=0.6, label="shared"),
+                   Patch(facecolor="#f2f2f2", edgecolor="black", lw=0.6, label="free")]
+        if hashed:
+            handles.append(Patch(facecolor="white", edgecolor="#08519c", lw=2.5, label="named: findable by its hash"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False,
+                  fontsize=9, borderaxespad=0)
+    if title:
+        ax.set_title(title, loc="left", fontsize=11)
     return ax
