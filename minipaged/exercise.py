@@ -146,7 +146,8 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
     (out / "README.md").write_text(
         f"# Exercise {stage}\n\n"
         f"Fill in every `NotImplementedError` in `minipaged/{files[stage].name}`.\n"
-        f"{tutorial} explains the ideas; docs/stages/ and docs/exercises.md say what each stub must do.\n\n"
+        f"{tutorial} explains the ideas; docs/exercises/stage{stage}.md lists what each stub must do,\n"
+        "in the order to write them, with the tests that check each and hints.\n\n"
         f"Check your work from this folder with `{_python()} -m pytest -k stage{stage}`,\n"
         f"or see every stage at once with `{_python()} -m minipaged.cli grade . --stage {stage}`\n"
         f"(without `--stage`, every stage).\n"

@@ -1,0 +1,144 @@
+"""Every stage has an exercise page that names each piece to write, its tests and its tutorial.
+
+A piece is a function or method that holds a solution region; the page must name it by its
+qualified name in backticks (``ContiguousKVCache.allocate``, ``dense_attention``), so a page
+cannot silently miss a stub that the exercise tool writes.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from minipaged.exercise import REPO_DIR, solution_regions, stage_files, tutorial_for
+
+pytestmark = pytest.mark.tooling
+
+PAGES = REPO_DIR / "docs" / "exercises"
+STAGES = stage_files()
+
+
+def solution_functions(source: str, filename: str = "<source>") -> list[str]:
+    """The qualified names (``Class.method``) of the functions that hold a solution, in order."""
+    functions: list[tuple[int, int, str]] = []  # (first line, last line, qualified name)
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                functions.append((child.lineno, child.end_lineno, prefix + child.name))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source, filename), "")
+    names: list[str] = []
+    for begin, _, _ in solution_regions(source, filename):
+        # the innermost function around the BEGIN marker (a trailing END comment is past end_lineno)
+        enclosing = [f for f in functions if f[0] < begin <= f[1]]
+        assert enclosing, f"{filename}:{begin}: a solution outside any function"
+        name = min(enclosing, key=lambda f: f[1] - f[0])[2]
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def stage_tests(stage: int) -> list[str]:
+    return sorted(f"tests/{p.name}" for p in (REPO_DIR / "tests").glob(f"test_stage{stage}_*.py"))
+
+
+def problems(page: str, stage: int) -> list[str]:
+    """What the exercise page of ``stage`` fails to name or link; empty when it is complete."""
+    found = []
+    for name in solution_functions(STAGES[stage].read_text(), str(STAGES[stage])):
+        if f"`{name}`" not in page:
+            found.append(f"the piece `{name}` is not named")
+    for test_file in stage_tests(stage):
+        if test_file not in page:
+            found.append(f"the test file {test_file} is not named")
+    tutorial = tutorial_for(stage)
+    if f"](../{tutorial})" not in page:
+        found.append(f"no link to the tutorial ../{tutorial}")
+    stage_page = f"../stages/{STAGES[stage].stem.removeprefix('stage')}.md"
+    if f"]({stage_page})" not in page:
+        found.append(f"no link to the stage page {stage_page}")
+    return found
+
+
+def test_solution_functions_are_found_by_qualified_name():
+    source = (
+        "class A:\n"
+        "    def f(self):\n"
+        "        x = 1\n"
+        "        # BEGIN SOLUTION\n"
+        "        return x\n"
+        "        # END SOLUTION\n"
+        "\n"
+        "    @property\n"
+        "    def g(self):\n"
+        "        # BEGIN SOLUTION\n"
+        "        def helper():\n"
+        "            return 2\n"
+        "        return helper()\n"
+        "        # END SOLUTION\n"
+        "\n"
+        "\n"
+        "def h():\n"
+        "    # BEGIN SOLUTION\n"
+        "    pass\n"
+        "    # END SOLUTION\n"
+    )
+    assert solution_functions(source) == ["A.f", "A.g", "h"]
+    assert solution_functions(STAGES[1].read_text())[:2] == [
+        "BlockAllocator.__init__",
+        "BlockAllocator.num_total_blocks",
+    ]
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_the_exercise_page_names_every_piece_its_tests_and_its_tutorial(stage):
+    page = PAGES / f"stage{stage}.md"
+    assert page.is_file(), f"no exercise page {page.relative_to(REPO_DIR)}"
+    assert stage_tests(stage), f"stage {stage} has no tests/test_stage{stage}_*.py"
+    found = problems(page.read_text(), stage)
+    assert not found, f"{page.relative_to(REPO_DIR)}: " + "; ".join(found)
+
+
+def test_a_page_that_misses_a_piece_is_caught():
+    page = (PAGES / "stage3.md").read_text()
+    assert problems(page, 3) == []
+    missing = re.sub(r"`CowBlockSpaceManager\.fork`", "`fork`", page)
+    assert problems(missing, 3) == ["the piece `CowBlockSpaceManager.fork` is not named"]
+    unlinked = page.replace("../tutorials/03_copy_on_write.ipynb", "03_copy_on_write.ipynb")
+    assert problems(unlinked, 3) == ["no link to the tutorial ../tutorials/03_copy_on_write.ipynb"]
+
+
+def test_the_exercises_index_links_every_stage_page():
+    index = (PAGES / "index.md").read_text()
+    for stage in STAGES:
+        assert f"](stage{stage}.md)" in index, (
+            f"docs/exercises/index.md does not link stage{stage}.md"
+        )
+
+
+def test_every_exercise_page_links_the_next():
+    for stage in STAGES:
+        page = (PAGES / f"stage{stage}.md").read_text()
+        following = f"](stage{stage + 1}.md)" if stage + 1 in STAGES else "](index.md)"
+        assert following in page, f"docs/exercises/stage{stage}.md does not link {following[2:-1]}"
+
+
+def test_no_page_points_to_the_old_exercises_page():
+    for path in [
+        REPO_DIR / "README.md",
+        *(REPO_DIR / "docs").rglob("*.md"),
+        REPO_DIR / "minipaged" / "exercise.py",
+    ]:
+        if path.is_file() and "tutorials" not in path.parts:
+            text = path.read_text()
+            assert "exercises.md" not in text, (
+                f"{path} points to exercises.md, now exercises/index.md"
+            )
