@@ -46,6 +46,50 @@ WORKLOADS = {
 }
 
 
+# The allocator on its own first: quick, and a learner's first feedback.
+def test_the_allocator_keeps_a_freed_named_block_until_it_is_found_again():
+    allocator = PrefixCachingAllocator(3)
+    named, plain = allocator.allocate(2)
+    allocator.cache(named, block_hash(ROOT, [1, 2]))
+    allocator.free(plain)
+    allocator.free(named)
+    assert allocator.num_free_blocks == 3 and list(allocator.evictor) == [named]  # free, K/V kept
+    with pytest.raises(ValueError):
+        allocator.free(named)  # a double free, even of a block in the evictor
+    assert allocator.num_free_blocks == 3
+
+
+def test_a_lookup_shares_a_block_in_use_and_revives_one_in_the_evictor():
+    allocator = PrefixCachingAllocator(2)
+    (block,) = allocator.allocate(1)
+    name = block_hash(ROOT, [1, 2])
+    allocator.cache(block, name)
+    assert allocator.lookup(name) == block and allocator.ref_count(block) == 2  # shared
+    allocator.free(block)
+    allocator.free(block)
+    assert allocator.lookup(name) == block and allocator.ref_count(block) == 1  # revived
+    assert list(allocator.evictor) == [] and allocator.num_free_blocks == 1
+    assert allocator.lookup(block_hash(ROOT, [2, 1])) is None
+    assert (allocator.num_queries, allocator.num_hits) == (3, 2)
+
+
+def test_the_allocator_evicts_only_when_the_free_blocks_run_out_and_then_forgets_the_name():
+    allocator = PrefixCachingAllocator(3)
+    blocks = allocator.allocate(2)
+    names = [block_hash(ROOT, [b]) for b in blocks]
+    for block, name in zip(blocks, names):
+        allocator.cache(block, name)
+    allocator.free(blocks[1])
+    allocator.free(blocks[0])  # the evictor holds blocks[1], then blocks[0]: oldest first
+    (fresh,) = allocator.allocate(1)
+    assert fresh not in blocks and allocator.num_evictions == 0  # a never-named block first
+    assert allocator.allocate(1) == [blocks[1]] and allocator.num_evictions == 1  # the least recent
+    assert allocator.lookup(names[1]) is None and allocator.lookup(names[0]) == blocks[0]
+    with pytest.raises(OutOfBlocksError):
+        allocator.allocate(1)
+    assert allocator.ref_count(blocks[1]) == 1  # the evicted block is its new owner's
+
+
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_outputs_with_caching_equal_outputs_without(workload):
     batches = WORKLOADS[workload]
@@ -99,49 +143,6 @@ def test_a_reused_block_never_hands_back_another_prefixs_kv():
     assert manager.get_block_table("c") == [2, 1, 0]  # block 0, once [1, 1], was evicted and reused
     manager.free("c")
     assert manager.allocate("d", [1, 1, 2, 2, 8]) == 0  # [1, 1] is gone, so [2, 2] after it is never reached
-
-
-def test_the_allocator_keeps_a_freed_named_block_until_it_is_found_again():
-    allocator = PrefixCachingAllocator(3)
-    named, plain = allocator.allocate(2)
-    allocator.cache(named, block_hash(ROOT, [1, 2]))
-    allocator.free(plain)
-    allocator.free(named)
-    assert allocator.num_free_blocks == 3 and list(allocator.evictor) == [named]  # free, K/V kept
-    with pytest.raises(ValueError):
-        allocator.free(named)  # a double free, even of a block in the evictor
-    assert allocator.num_free_blocks == 3
-
-
-def test_a_lookup_shares_a_block_in_use_and_revives_one_in_the_evictor():
-    allocator = PrefixCachingAllocator(2)
-    (block,) = allocator.allocate(1)
-    name = block_hash(ROOT, [1, 2])
-    allocator.cache(block, name)
-    assert allocator.lookup(name) == block and allocator.ref_count(block) == 2  # shared
-    allocator.free(block)
-    allocator.free(block)
-    assert allocator.lookup(name) == block and allocator.ref_count(block) == 1  # revived
-    assert list(allocator.evictor) == [] and allocator.num_free_blocks == 1
-    assert allocator.lookup(block_hash(ROOT, [2, 1])) is None
-    assert (allocator.num_queries, allocator.num_hits) == (3, 2)
-
-
-def test_the_allocator_evicts_only_when_the_free_blocks_run_out_and_then_forgets_the_name():
-    allocator = PrefixCachingAllocator(3)
-    blocks = allocator.allocate(2)
-    names = [block_hash(ROOT, [b]) for b in blocks]
-    for block, name in zip(blocks, names):
-        allocator.cache(block, name)
-    allocator.free(blocks[1])
-    allocator.free(blocks[0])  # the evictor holds blocks[1], then blocks[0]: oldest first
-    (fresh,) = allocator.allocate(1)
-    assert fresh not in blocks and allocator.num_evictions == 0  # a never-named block first
-    assert allocator.allocate(1) == [blocks[1]] and allocator.num_evictions == 1  # the least recent
-    assert allocator.lookup(names[1]) is None and allocator.lookup(names[0]) == blocks[0]
-    with pytest.raises(OutOfBlocksError):
-        allocator.allocate(1)
-    assert allocator.ref_count(blocks[1]) == 1  # the evicted block is its new owner's
 
 
 def test_eviction_is_least_recently_used_and_last_blocks_first():
