@@ -63,6 +63,27 @@ def assert_equal_to_hf(llm, hf_model, prompts, steps):
                 assert abs(value - logprobs[step, token].item()) < 1e-4
 
 
+def test_sampling_matches_its_definitions():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+
+    def frequencies(params, draws=6000):
+        counts = torch.bincount(torch.tensor([sample(logits, params, gen) for _ in range(draws)]), minlength=5)
+        return counts.float() / draws
+
+    for temperature in (0.5, 1.0, 2.0):
+        want = torch.softmax(logits / temperature, -1)
+        assert (frequencies(SamplingParams(temperature=temperature)) - want).abs().max() < 0.025
+    top_k = frequencies(SamplingParams(top_k=2))
+    assert top_k[2:].sum() == 0 and abs(top_k[0] - torch.softmax(logits[:2], -1)[0]) < 0.025
+    probs = torch.softmax(logits, -1)  # 0.563, 0.207, 0.126, 0.076, 0.028
+    kept = process_logits(logits, SamplingParams(top_p=0.8)).isfinite()
+    assert kept.tolist() == [True, True, True, False, False]  # 0.563 + 0.207 < 0.8 <= 0.896
+    assert process_logits(logits, SamplingParams(top_p=probs[0].item())).isfinite().sum() == 1
+    assert process_logits(logits, SamplingParams(top_p=1.0)).isfinite().all()
+    assert sample(logits, SamplingParams(temperature=0), gen) == 0
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoints, name):
     path, hf_model = checkpoints[name]
@@ -118,27 +139,6 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(checkpoints):
     first = again.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert first[0].outputs[0].token_ids == LLM(str(path), num_gpu_blocks=64, block_size=8, seed=1).generate(
         prompt, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-
-
-def test_sampling_matches_its_definitions():
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    gen = torch.Generator().manual_seed(0)
-
-    def frequencies(params, draws=6000):
-        counts = torch.bincount(torch.tensor([sample(logits, params, gen) for _ in range(draws)]), minlength=5)
-        return counts.float() / draws
-
-    for temperature in (0.5, 1.0, 2.0):
-        want = torch.softmax(logits / temperature, -1)
-        assert (frequencies(SamplingParams(temperature=temperature)) - want).abs().max() < 0.025
-    top_k = frequencies(SamplingParams(top_k=2))
-    assert top_k[2:].sum() == 0 and abs(top_k[0] - torch.softmax(logits[:2], -1)[0]) < 0.025
-    probs = torch.softmax(logits, -1)  # 0.563, 0.207, 0.126, 0.076, 0.028
-    kept = process_logits(logits, SamplingParams(top_p=0.8)).isfinite()
-    assert kept.tolist() == [True, True, True, False, False]  # 0.563 + 0.207 < 0.8 <= 0.896
-    assert process_logits(logits, SamplingParams(top_p=probs[0].item())).isfinite().sum() == 1
-    assert process_logits(logits, SamplingParams(top_p=1.0)).isfinite().all()
-    assert sample(logits, SamplingParams(temperature=0), gen) == 0
 
 
 def test_stop_tokens_and_finish_reasons():
