@@ -83,6 +83,35 @@ def solution_regions(source: str, filename: str = "<source>") -> list[tuple[int,
     return regions
 
 
+def solution_functions(source: str, filename: str = "<source>") -> list[str]:
+    """The qualified names (``Class.method``) of the functions that hold a solution, in order.
+
+    Each solution belongs to the innermost function around its BEGIN marker: the pieces an
+    exercise asks for, and what a stage's exercise page and tutorial must name.
+    """
+    functions: list[tuple[int, int, str]] = []  # (first line, last line, qualified name)
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                functions.append((child.lineno, child.end_lineno, prefix + child.name))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source, filename), "")
+    names: list[str] = []
+    for begin, _, _ in solution_regions(source, filename):
+        # a trailing END comment lies past the function's end_lineno, so look at BEGIN only
+        enclosing = [f for f in functions if f[0] < begin <= f[1]]
+        name = min(enclosing, key=lambda f: f[1] - f[0])[2]
+        if name not in names:
+            names.append(name)
+    return names
+
+
 def stub_source(source: str, stage: int, tutorial: str, filename: str = "<source>") -> str:
     """``source`` with each solution replaced by a ``NotImplementedError`` stub."""
     lines = source.splitlines(keepends=True)

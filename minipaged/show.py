@@ -35,8 +35,9 @@ class Source:
 
     @property
     def location(self) -> str:
-        parts = self.path.parts
-        shown = "/".join(parts[parts.index("minipaged"):]) if "minipaged" in parts else self.path.name
+        parts = self.path.parts  # from the package folder: the last "minipaged" (a clone is often one too)
+        last = len(parts) - 1 - parts[::-1].index("minipaged") if "minipaged" in parts else len(parts) - 1
+        shown = "/".join(parts[last:])
         return f"{shown}, lines {self.first_line}–{self.last_line}"
 
     def __repr__(self) -> str:

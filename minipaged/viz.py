@@ -73,79 +73,106 @@ def plot_usage(results: list[SimulationResult], ax=None, labels=None):
 SEQ_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
 
 
-def plot_block_tables(manager, ax=None, title=None, seq_ids=None, colors=None, copies=()):
-    """Each sequence's logical blocks (top rows) and the physical blocks they map to (bottom).
+def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | None = None, ax=None,
+                      title=None, colors=None, copies=(), legend: bool = False):
+    """Block tables (top, one row per sequence) over the physical blocks (bottom).
 
-    A logical block shows the physical id it maps to, shaded as far as it holds tokens. A
-    physical block is coloured by the one sequence holding it, light grey and hatched when
-    several share it (``×N`` under it: N holders), pale grey when free; a shared block's id
-    sits on a white label, so the hatching never hides it. ``copies`` — ``(source,
-    destination)`` pairs, as copy-on-write queues them — are drawn as arrows under the
-    physical row, each destination outlined in red, in the physical row and in the table
-    that now holds it.
-    ``colors`` maps sequence ids to colours (to keep them across pictures).
+    ``rows`` maps a label to a sequence id of ``manager`` (default: every sequence, labelled
+    by its id). A logical block shows the physical id it maps to, filled as far as it holds
+    tokens. A physical block is coloured by the one sequence holding it, grey and hatched
+    when several share it (its id on a white label, so the hatching never hides it), pale
+    when free; when any block is shared, the number under each is its reference count. With
+    a prefix-caching allocator, a block whose hash is known (findable by a later prompt) has
+    a thick blue outline, and one that nobody holds (free, yet kept in the evictor) is white.
+    ``copies`` — ``(source, destination)`` pairs, as copy-on-write queues them — are drawn
+    as red arrows under the physical row, each destination outlined in red. ``colors`` maps
+    labels to colours (to keep them across pictures). Only the first ``num_blocks`` physical
+    blocks are drawn (default: all).
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, Rectangle
+    from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-    seq_ids = list(manager.block_tables) if seq_ids is None else list(seq_ids)
-    num_blocks, block_size = manager.num_total_blocks, manager.block_size
+    label_box = {"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}
+    red, blue, shared_face = "#d62728", "#08519c", "#aaaaaa"
+    allocator, block_size = manager.allocator, manager.block_size
+    rows = {seq_id: seq_id for seq_id in manager.block_tables} if rows is None else rows
+    num_blocks = num_blocks or manager.num_total_blocks
+    labels = list(rows)
+    color = {label: SEQ_COLORS[i % len(SEQ_COLORS)] for i, label in enumerate(labels)}
+    color.update(colors or {})
     copies = [(int(s), int(d)) for s, d in copies]
     copied = {d for _, d in copies}
+    holders: dict[int, list] = {}
+    for label in labels:
+        for block_id in manager.block_tables[rows[label]].block_ids:
+            holders.setdefault(block_id, []).append(label)
+    hashed = set(getattr(allocator, "hash_of", {}))
+
+    def refs(block_id):  # a plain allocator has no reference counts: count the holders drawn
+        if hasattr(allocator, "ref_count"):
+            return 0 if allocator.is_free(block_id) else allocator.ref_count(block_id)
+        return len(holders.get(block_id, []))
+
+    counted = hashed or any(refs(b) > 1 for b in range(num_blocks))
+    width = max(num_blocks, *(len(manager.block_tables[s].block_ids) for s in rows.values()))
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(6, 0.45 * num_blocks + 2), 1.0 + 0.55 * len(seq_ids) + 1.2))
-    owners: dict[int, list] = {}
-    for seq_id in seq_ids:
-        for block_id in manager.block_tables[seq_id].block_ids:
-            owners.setdefault(block_id, []).append(seq_id)
-    color = {s: SEQ_COLORS[i % len(SEQ_COLORS)] for i, s in enumerate(seq_ids)}
-    color.update(colors or {})
-    label_box = dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none")
-    red = "#d62728"
-    bottom = -1.6
-    for row, seq_id in enumerate(seq_ids):
-        y = len(seq_ids) - 1 - row
-        table = manager.block_tables[seq_id]
-        ax.text(-0.4, y + 0.4, str(seq_id), ha="right", va="center", fontsize=10)
+        _, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.9 + (0.5 if copies else 0)))
+    bottom = -1.7
+    for row, label in enumerate(labels):
+        y = len(labels) - 1 - row
+        table = manager.block_tables[rows[label]]
+        ax.text(-0.3, y + 0.4, str(label), ha="right", va="center", fontsize=10)
         for j, block_id in enumerate(table.block_ids):
             fill = min(block_size, table.num_tokens - j * block_size) / block_size
-            ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[seq_id]))
-            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=color[seq_id], alpha=0.35))
+            shared = len(holders[block_id]) > 1
+            ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[label], lw=1.2))
+            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=shared_face if shared else color[label],
+                                   alpha=0.7, hatch="///" if shared else None, lw=0))
             if block_id in copied:
                 ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="none", edgecolor=red, lw=2.2))
-            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=9)
-            ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[seq_id], alpha=0.4, lw=1)
-    width = max((len(manager.block_tables[s].block_ids) for s in seq_ids), default=0)
-    for j in range(width):
-        ax.text(j + 0.45, len(seq_ids) - 0.1, str(j), ha="center", va="bottom", fontsize=8, color="#666666")
-    ax.text(-0.4, len(seq_ids) - 0.1, "logical block", ha="right", va="bottom", fontsize=8, color="#666666")
-    shared = False
+            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=10,
+                    bbox=label_box if shared else None)
+            if block_id < num_blocks:  # behind the boxes
+                ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[label], alpha=0.4, lw=1,
+                        zorder=0.5)
+    longest = max((len(manager.block_tables[s].block_ids) for s in rows.values()), default=0)
+    for j in range(longest):
+        ax.text(j + 0.45, len(labels) - 0.1, str(j), ha="center", va="bottom", fontsize=8, color="#666666")
+    ax.text(-0.3, len(labels) - 0.1, "logical block", ha="right", va="bottom", fontsize=8, color="#666666")
     for block_id in range(num_blocks):
-        holders = owners.get(block_id, [])
-        face = "#f4f4f4" if not holders else color[holders[0]] if len(holders) == 1 else "#dddddd"
-        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="#999999",
-                               hatch="///" if len(holders) > 1 else None, lw=0))
-        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", lw=2.2 if block_id in copied else 0.6,
-                               edgecolor=red if block_id in copied else "black"))
-        ax.text(block_id + 0.45, bottom + 0.4, str(block_id), ha="center", va="center", fontsize=9,
-                bbox=label_box if len(holders) > 1 else None)
-        if len(holders) > 1:
-            shared = True
-            ax.text(block_id + 0.45, bottom - 0.25, f"×{len(holders)}", ha="center", va="center", fontsize=9)
+        owners = holders.get(block_id, [])
+        free = allocator.is_free(block_id)
+        face = "#f2f2f2" if free and block_id not in hashed else \
+            "white" if not owners else color[owners[0]] if len(owners) == 1 else shared_face
+        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black", lw=0.6,
+                               alpha=0.8, hatch="///" if len(owners) > 1 else None))
+        if block_id in hashed or block_id in copied:
+            ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", lw=2.5 if block_id in hashed else 2.2,
+                                   edgecolor=blue if block_id in hashed else red))
+        ax.text(block_id + 0.45, bottom + 0.4, str(block_id), ha="center", va="center", fontsize=10,
+                bbox=label_box if len(owners) > 1 else None)
+        if counted and (not free or block_id in hashed):
+            ax.text(block_id + 0.45, bottom - 0.3, f"×{refs(block_id)}", ha="center", va="center", fontsize=9)
     for source, destination in copies:  # down from the source, across, up into the destination
-        x0, x1, y = source + 0.45, destination + 0.45, bottom - 0.7
-        ax.plot([x0, x0, x1], [bottom - 0.42, y, y], color=red, lw=1.5)
+        x0, x1, y = source + 0.45, destination + 0.45, bottom - 0.85
+        ax.plot([x0, x0, x1], [bottom - 0.55, y, y], color=red, lw=1.5)
         ax.add_patch(FancyArrowPatch((x1, y), (x1, bottom - 0.02), arrowstyle="-|>", mutation_scale=12,
                                      color=red, lw=1.5, shrinkA=0, shrinkB=0))
         ax.text((x0 + x1) / 2, y - 0.08, f"copy {source} → {destination}", ha="center", va="top",
                 fontsize=9, color=red)
-    ax.text(-0.4, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
-    if shared:
-        ax.text(-0.4, bottom - 0.25, "holders", ha="right", va="center", fontsize=9)
-    low = bottom - (1.25 if copies else 0.45 if shared else 0.3)
-    ax.set_xlim(-2.5, max(num_blocks, 1) + 0.5)
-    ax.set_ylim(low, len(seq_ids) + 0.35)
+    ax.text(-0.3, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
+    if counted:
+        ax.text(-0.3, bottom - 0.3, "references", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-2.6, width + 0.1)
+    ax.set_ylim(bottom - (1.4 if copies else 0.7), len(labels) + 0.35)
     ax.axis("off")
+    if legend:
+        handles = [Patch(facecolor=shared_face, hatch="///", edgecolor="black", lw=0.6, label="shared"),
+                   Patch(facecolor="#f2f2f2", edgecolor="black", lw=0.6, label="free")]
+        if hashed:
+            handles.append(Patch(facecolor="white", edgecolor=blue, lw=2.5, label="named: findable by its hash"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False,
+                  fontsize=9, borderaxespad=0)
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return ax
@@ -490,76 +517,3 @@ def plot_engine_steps(records: list[dict], num_blocks: int, title=None):
     fig.align_ylabels()
     fig.tight_layout()
     return fig
-
-
-def plot_shared_blocks(manager, rows: dict, num_blocks: int | None = None, ax=None, title=None, legend=True):
-    """Block tables (top, one row per sequence) over the physical blocks (bottom), with reference counts.
-
-    ``rows`` maps a label to a sequence id of ``manager``. A logical block shows the
-    physical block it maps to, filled as far as it holds tokens. A physical block is
-    coloured by the one sequence holding it, grey and hatched when several share it; the
-    number under it is its reference count. With a prefix-caching allocator, a block whose
-    hash is in the table (findable by a later prompt) has a thick blue outline, and a cached
-    block that nobody holds (free, yet kept, in the evictor) is white with that outline.
-    Only the first ``num_blocks`` physical blocks are drawn (default: all).
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
-
-    LABEL_BOX = {"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}  # noqa: N806
-    allocator, block_size = manager.allocator, manager.block_size
-    num_blocks = num_blocks or manager.num_total_blocks
-    labels = list(rows)
-    color = {label: SEQ_COLORS[i % len(SEQ_COLORS)] for i, label in enumerate(labels)}
-    holders: dict[int, list] = {}
-    for label in labels:
-        for block_id in manager.block_tables[rows[label]].block_ids:
-            holders.setdefault(block_id, []).append(label)
-    hashed = set(getattr(allocator, "hash_of", {}))
-    width = max(num_blocks, *(len(manager.block_tables[s].block_ids) for s in rows.values()))
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.9))
-    bottom = -1.7
-    for row, label in enumerate(labels):
-        y = len(labels) - 1 - row
-        table = manager.block_tables[rows[label]]
-        ax.text(-0.3, y + 0.4, label, ha="right", va="center", fontsize=10)
-        for j, block_id in enumerate(table.block_ids):
-            fill = min(block_size, table.num_tokens - j * block_size) / block_size
-            shared = len(holders[block_id]) > 1
-            ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[label], lw=1.2))
-            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor="#aaaaaa" if shared else color[label],
-                                   alpha=0.7, hatch="///" if shared else None, lw=0))
-            ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=10,
-                    bbox=LABEL_BOX if shared else None)
-            if block_id < num_blocks:  # behind the boxes
-                ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[label], alpha=0.4, lw=1,
-                        zorder=0.5)
-    for block_id in range(num_blocks):
-        owners = holders.get(block_id, [])
-        refs = allocator.ref_count(block_id) if not allocator.is_free(block_id) else 0
-        face = "#f2f2f2" if allocator.is_free(block_id) and block_id not in hashed else \
-            "white" if not owners else color[owners[0]] if len(owners) == 1 else "#aaaaaa"
-        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black", lw=0.6,
-                               alpha=0.8, hatch="///" if len(owners) > 1 else None))
-        if block_id in hashed:
-            ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", edgecolor="#08519c", lw=2.5))
-        ax.text(block_id + 0.45, bottom + 0.4, str(block_id), ha="center", va="center", fontsize=10,
-                bbox=LABEL_BOX if len(owners) > 1 else None)
-        if not allocator.is_free(block_id) or block_id in hashed:
-            ax.text(block_id + 0.45, bottom - 0.3, f"×{refs}", ha="center", va="center", fontsize=9)
-    ax.text(-0.3, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
-    ax.text(-0.3, bottom - 0.3, "references", ha="right", va="center", fontsize=9)
-    ax.set_xlim(-2.6, width + 0.1)
-    ax.set_ylim(bottom - 0.7, len(labels) - 0.1)
-    ax.axis("off")
-    if legend:
-        handles = [Patch(facecolor="#aaaaaa", hatch="///", edgecolor="black", lw=0.6, label="shared"),
-                   Patch(facecolor="#f2f2f2", edgecolor="black", lw=0.6, label="free")]
-        if hashed:
-            handles.append(Patch(facecolor="white", edgecolor="#08519c", lw=2.5, label="named: findable by its hash"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False,
-                  fontsize=9, borderaxespad=0)
-    if title:
-        ax.set_title(title, loc="left", fontsize=11)
-    return ax

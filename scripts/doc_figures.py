@@ -190,22 +190,18 @@ def paged_memory():
     ax.axis("off")
 
     ax = axes[1]
-    pool, manager = BlockAllocator(16), None
+    pool = BlockAllocator(16)
     manager = BlockSpaceManager(pool, block_size=8)
     for name, (tokens, _) in requests.items():  # interleaved arrivals: tables are scattered
         manager.allocate(name, list(range(min(tokens, 8))))
     for name, (tokens, _) in requests.items():
         for _ in range(tokens - min(tokens, 8)):
             manager.append_slot(name)
+    held = {block: (name, min(8, requests[name][0] - index * 8))  # block: (owner, tokens in it)
+            for name in requests for index, block in enumerate(manager.get_block_table(name))}
     for block in range(pool.num_total_blocks):
-        owner = next((n for n in requests if block in manager.get_block_table(n)), None)
-        filled = 0
-        if owner:
-            table = manager.get_block_table(owner)
-            index = table.index(block)
-            filled = min(8, requests[owner][0] - index * 8)
-        ax.add_patch(Rectangle((block * 8.5, 0), 8, 1, facecolor=OWNER_COLORS[owner], edgecolor="#333333",
-                               alpha=1.0 if owner else 1.0))
+        owner, filled = held.get(block, (None, 0))
+        ax.add_patch(Rectangle((block * 8.5, 0), 8, 1, facecolor=OWNER_COLORS[owner], edgecolor="#333333"))
         if owner and filled < 8:
             ax.add_patch(Rectangle((block * 8.5 + filled, 0), 8 - filled, 1, facecolor="white", alpha=0.6,
                                    edgecolor="none"))

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.S | re.I)
-EXTERNAL = re.compile(r"""(src\s*=\s*["']|from\s+["']|import\s*\(\s*["']|["'])https?://""", re.I)
+EXTERNAL = re.compile(r"""["']https?://""", re.I)  # a quoted address: src="…", from "…", import("…")
 # nbconvert's own MathJax set-up (the site's replaces it) and embedded widget state.
 NOTEBOOK_SCRIPTS = ("text/x-mathjax-config", "widget-state+json", "widget-view+json")
 MD_LINK = re.compile(r'href="(?!https?:|#|/)([^"#]+)\.md(#[^"]*)?"')
@@ -26,7 +26,7 @@ def _is_notebook(page) -> bool:
     return page.file.src_uri.endswith(".ipynb")
 
 
-def _bar(page) -> str:
+def _download_link(page) -> str:
     name = Path(page.file.src_uri).name
     return (f'<p class="minipaged-notebook-bar"><a href="{name}" download>Download this notebook '
             f"({name})</a> to run it in Jupyter, next to a clone of minipaged.</p>")
@@ -36,7 +36,7 @@ def on_page_content(html: str, page, config, files):
     if not _is_notebook(page):
         return html
     html = MD_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(2) or ""}"', html)
-    return _bar(page) + html
+    return _download_link(page) + html
 
 
 def on_post_page(output: str, page, config):

@@ -7,43 +7,16 @@ cannot silently miss a stub that the exercise tool writes.
 
 from __future__ import annotations
 
-import ast
 import re
 
 import pytest
 
-from minipaged.exercise import REPO_DIR, solution_regions, stage_files, tutorial_for
+from minipaged.exercise import REPO_DIR, solution_functions, stage_files, tutorial_for
 
 pytestmark = pytest.mark.tooling
 
 PAGES = REPO_DIR / "docs" / "exercises"
 STAGES = stage_files()
-
-
-def solution_functions(source: str, filename: str = "<source>") -> list[str]:
-    """The qualified names (``Class.method``) of the functions that hold a solution, in order."""
-    functions: list[tuple[int, int, str]] = []  # (first line, last line, qualified name)
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                functions.append((child.lineno, child.end_lineno, prefix + child.name))
-                visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, f"{prefix}{child.name}.")
-            else:
-                visit(child, prefix)
-
-    visit(ast.parse(source, filename), "")
-    names: list[str] = []
-    for begin, _, _ in solution_regions(source, filename):
-        # the innermost function around the BEGIN marker (a trailing END comment is past end_lineno)
-        enclosing = [f for f in functions if f[0] < begin <= f[1]]
-        assert enclosing, f"{filename}:{begin}: a solution outside any function"
-        name = min(enclosing, key=lambda f: f[1] - f[0])[2]
-        if name not in names:
-            names.append(name)
-    return names
 
 
 def stage_tests(stage: int) -> list[str]:

@@ -1,20 +1,19 @@
 """The tutorials show the stage's own code, read from the package by ``minipaged.show``.
 
 Every function that holds a stage's solution appears in that stage's notebook, through a
-``show(...)`` call of the function or of its class; what ``show`` displays is the file's real text, with its real line
-numbers, and the solution lines are the ones it highlights.
+``show(...)`` call of the function or of its class; what ``show`` displays is the file's
+real text, with its real line numbers, and the solution lines are the ones it highlights.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from minipaged.exercise import solution_regions, stage_files
+from minipaged.exercise import solution_functions, solution_regions, stage_files
 from minipaged.show import show
 from minipaged.stage1_block_allocator import BlockAllocator
 
@@ -23,33 +22,18 @@ pytestmark = pytest.mark.tooling
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def solution_functions(path: Path) -> set[tuple[str | None, str]]:
-    """``(class or None, function)`` for each function or method that holds a solution region."""
-    source = path.read_text()
-    regions = solution_regions(source, str(path))
-    nodes = list(ast.walk(ast.parse(source)))
-    functions = [node for node in nodes if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    classes = [node for node in nodes if isinstance(node, ast.ClassDef)]
-    names = set()
-    for begin, _, _ in regions:  # the innermost function whose body holds the marker
-        function = max((f for f in functions if f.lineno < begin <= f.end_lineno), key=lambda f: f.lineno)
-        owner = [c.name for c in classes if function in c.body]
-        names.add((owner[0] if owner else None, function.name))
-    return names
-
-
-def not_shown(path: Path, notebook: Path) -> list[str]:
-    """Solutions the notebook does not show: neither the function nor its whole class."""
-    shown = shown_names(notebook)
-    return sorted(f"{owner}.{name}" if owner else name for owner, name in solution_functions(path)
-                  if name not in shown and owner not in shown)
-
-
 def shown_names(notebook: Path) -> set[str]:
     """The last name of each ``show(...)`` argument in the notebook's code cells."""
     cells = json.loads(notebook.read_text())["cells"]
     code = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
     return set(re.findall(r"\bshow\(\s*(?:[\w.]+\.)?(\w+)\s*[,)]", code))
+
+
+def not_shown(path: Path, notebook: Path) -> list[str]:
+    """Solutions the notebook does not show: neither the function nor a class around it."""
+    shown = shown_names(notebook)
+    return [name for name in solution_functions(path.read_text(), str(path))
+            if not shown & set(name.split("."))]
 
 
 @pytest.mark.parametrize("stage", range(10))
@@ -70,6 +54,9 @@ def test_show_displays_the_files_own_lines_and_highlights_the_solution():
     assert shown.solution >= set(range(begin, end + 1))
     html = shown._repr_html_()
     assert "stage1_block_allocator.py" in html and "highlighted" in html
+    assert shown.location.startswith("minipaged/stage1_block_allocator.py, lines ")
+    clone = type(shown)(Path("/home/x/minipaged/minipaged/stage1.py"), 1, ["pass\n"], set())
+    assert clone.location == "minipaged/stage1.py, lines 1–1"  # a clone folder named minipaged too
     assert html.count("background-color: #fff3c4") >= end - begin + 1  # each solution line
 
 
