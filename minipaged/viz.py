@@ -92,8 +92,9 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-    label_box = {"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}
-    red, blue, shared_face = "#d62728", "#08519c", "#aaaaaa"
+    label_box = {"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none"}
+    red, blue, shared_face = "#d62728", "#08519c", "#bdbdbd"
+    hatching = {"hatch": "//", "hatchcolor": "#8c8c8c", "hatch_linewidth": 0.6}  # light: the ids stay legible
     allocator, block_size = manager.allocator, manager.block_size
     rows = {seq_id: seq_id for seq_id in manager.block_tables} if rows is None else rows
     num_blocks = num_blocks or manager.num_total_blocks
@@ -127,7 +128,7 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
             shared = len(holders[block_id]) > 1
             ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[label], lw=1.2))
             ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=shared_face if shared else color[label],
-                                   alpha=0.7, hatch="///" if shared else None, lw=0))
+                                   alpha=0.7, lw=0, **(hatching if shared else {})))
             if block_id in copied:
                 ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="none", edgecolor=red, lw=2.2))
             ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=10,
@@ -145,7 +146,7 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
         face = "#f2f2f2" if free and block_id not in hashed else \
             "white" if not owners else color[owners[0]] if len(owners) == 1 else shared_face
         ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black", lw=0.6,
-                               alpha=0.8, hatch="///" if len(owners) > 1 else None))
+                               alpha=0.8, **(hatching if len(owners) > 1 else {})))
         if block_id in hashed or block_id in copied:
             ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", lw=2.5 if block_id in hashed else 2.2,
                                    edgecolor=blue if block_id in hashed else red))
@@ -154,11 +155,11 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
         if counted and (not free or block_id in hashed):
             ax.text(block_id + 0.45, bottom - 0.3, f"×{refs(block_id)}", ha="center", va="center", fontsize=9)
     for source, destination in copies:  # down from the source, across, up into the destination
-        x0, x1, y = source + 0.45, destination + 0.45, bottom - 0.85
+        x0, x1, y = source + 0.45, destination + (0.75 if destination > source else 0.15), bottom - 0.85
         ax.plot([x0, x0, x1], [bottom - 0.55, y, y], color=red, lw=1.5)
         ax.add_patch(FancyArrowPatch((x1, y), (x1, bottom - 0.02), arrowstyle="-|>", mutation_scale=12,
                                      color=red, lw=1.5, shrinkA=0, shrinkB=0))
-        ax.text((x0 + x1) / 2, y - 0.08, f"copy {source} → {destination}", ha="center", va="top",
+        ax.text((source + destination) / 2 + 0.45, y - 0.08, f"copy {source} → {destination}", ha="center", va="top",
                 fontsize=9, color=red)
     ax.text(-0.3, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
     if counted:
@@ -167,7 +168,7 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
     ax.set_ylim(bottom - (1.4 if copies else 0.7), len(labels) + 0.35)
     ax.axis("off")
     if legend:
-        handles = [Patch(facecolor=shared_face, hatch="///", edgecolor="black", lw=0.6, label="shared"),
+        handles = [Patch(facecolor=shared_face, edgecolor="black", lw=0.6, label="shared", **hatching),
                    Patch(facecolor="#f2f2f2", edgecolor="black", lw=0.6, label="free")]
         if hashed:
             handles.append(Patch(facecolor="white", edgecolor=blue, lw=2.5, label="named: findable by its hash"))

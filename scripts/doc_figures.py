@@ -18,13 +18,38 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minipaged import BlockAllocator, BlockSpaceManager  # noqa: E402
-from minipaged.stage3_copy_on_write import CowBlockSpaceManager, RefCountedBlockAllocator  # noqa: E402
+from minipaged import (  # noqa: E402
+    BlockAllocator,
+    BlockSpaceManager,
+    ContiguousKVCache,
+    CowBlockSpaceManager,
+    PrefixCachingAllocator,
+    PrefixCachingBlockSpaceManager,
+    RefCountedBlockAllocator,
+    Sampler,
+    SamplingParams,
+    Scheduler,
+    SharingEngine,
+    SwapBlockSpaceManager,
+)
+from minipaged.simulate import SimulatedRunner, simulated_engine  # noqa: E402
+from minipaged.stage5_triton_attention import PARTITION_SIZE  # noqa: E402
+from minipaged.viz import (  # noqa: E402
+    plot_arena,
+    plot_block_tables,
+    plot_gather,
+    plot_schedule,
+    plot_split_kv,
+)
 
 OUT = ROOT / "docs" / "figures"
 OWNER_COLORS = {"A": "#4c72b0", "B": "#dd8452", "C": "#55a868", "D": "#c44e52", None: "#eeeeee"}
 plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "minipaged", "font.size": 11,
-                     "font.family": "sans-serif"})
+                     "font.family": "sans-serif",
+                     # the axes fill the figure (the saved file is cropped to what is drawn), so a figure
+                     # 7.2 inches wide is shown about 690 px wide, the width of a page's column
+                     "figure.subplot.left": 0.0, "figure.subplot.right": 1.0,
+                     "figure.subplot.bottom": 0.0, "figure.subplot.top": 1.0})
 
 
 def _block(ax, x, y, w, h, label, color, text_color="white", edge="#333333", lw=1.0, dashed=False):
@@ -61,6 +86,15 @@ def block_pool():
     _save(fig, "block_pool.svg")
 
 
+def _slotted_block(ax, x, y, w, h, slots, filled, label, fontsize=10):
+    """A block of ``slots`` token slots, the first ``filled`` of them holding K/V (shaded)."""
+    for slot in range(slots):
+        ax.add_patch(Rectangle((x + slot * w / slots, y), w / slots, h, linewidth=0.4,
+                               facecolor="#9ecae1" if slot < filled else "white", edgecolor="white"))
+    ax.add_patch(Rectangle((x, y), w, h, facecolor="none", edgecolor="#333333", linewidth=1.0))
+    ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fontsize, color="#111111")
+
+
 def block_table():
     """Stage 2: a sequence of 41 tokens, block size 16, its logical blocks mapped to scattered physical ones."""
     pool = BlockAllocator(8)
@@ -69,102 +103,190 @@ def block_table():
         pool.free(block)
     manager = BlockSpaceManager(pool, block_size=16)
     manager.allocate("A", list(range(41)))
-    table = manager.get_block_table("A")
-    fig, ax = plt.subplots(figsize=(7.0, 2.6))
-    ax.text(-0.3, 2.45, f"sequence A, 41 tokens: block table {list(table)}", fontsize=10, va="center")
-    for logical, physical in enumerate(table):
-        first, last = logical * 16, min(logical * 16 + 15, 40)
-        _block(ax, logical * 2.0, 1.5, 1.8, 0.7, f"logical {logical}\ntokens {first}–{last}",
-               OWNER_COLORS["A"])
+    table = manager.block_tables["A"]
+    size = manager.block_size
+    fills = {block: min(size, table.num_tokens - i * size) for i, block in enumerate(table.block_ids)}
+    last = table.block_ids[-1]
+    fig, ax = plt.subplots(figsize=(7.2, 2.6))
+    ax.text(-0.3, 2.55, f"sequence A, {table.num_tokens} tokens, block size {size}: "
+            f"block table {table.block_ids}", fontsize=10, va="center")
+    for logical, physical in enumerate(table.block_ids):
+        first, last_token = logical * size, logical * size + fills[physical] - 1
+        _slotted_block(ax, logical * 2.0, 1.5, 1.8, 0.7, size, fills[physical],
+                       f"logical {logical}\ntokens {first}–{last_token}", fontsize=9)
         ax.add_patch(FancyArrowPatch((logical * 2.0 + 0.9, 1.5), (physical * 0.9 + 0.42, 0.62),
                                      arrowstyle="-|>", mutation_scale=12, color="#333333"))
-    for block in range(8):
-        used = block in table
-        _block(ax, block * 0.9, 0, 0.84, 0.6, str(block), OWNER_COLORS["A" if used else None],
-               "white" if used else "#555555")
+    for block in range(pool.num_total_blocks):
+        if block in fills:
+            _slotted_block(ax, block * 0.9, 0, 0.84, 0.6, size, fills[block], str(block))
+        else:
+            _block(ax, block * 0.9, 0, 0.84, 0.6, str(block), OWNER_COLORS[None], "#555555")
     ax.text(7.35, 0.3, "physical\nblocks", fontsize=9, va="center")
-    ax.text(6.1, 1.85, "the last block is\nfilled 9 of 16", fontsize=9, va="center", color="#333333")
+    ax.text(6.1, 1.85, f"block {last} holds\n{fills[last]} of {size} tokens", fontsize=9, va="center",
+            color="#333333")
     ax.set_xlim(-0.4, 8.2)
-    ax.set_ylim(-0.1, 2.7)
+    ax.set_ylim(-0.1, 2.75)
     ax.axis("off")
     _save(fig, "block_table.svg")
 
 
 def copy_on_write():
-    """Stage 3: two samples share their blocks after fork; the first write to the shared last block copies it."""
-    pool = RefCountedBlockAllocator(6)
-    manager = CowBlockSpaceManager(pool, block_size=4)
-    manager.allocate("s1", [1, 2, 3, 4, 5, 6])
-    manager.fork("s1", "s2")
-    before = {s: list(manager.get_block_table(s)) for s in ("s1", "s2")}
-    counts_before = {b: pool.ref_count(b) for b in before["s1"]}
-    manager.append_slot("s1")
+    """Stage 3: two samples share a prompt of 6 tokens in blocks of 4 after a fork; the last block is
+    half full, so the first sample to append copies it, and the full block stays shared."""
+    manager = CowBlockSpaceManager(RefCountedBlockAllocator(6), block_size=4)
+    manager.allocate("prompt", range(6))
+    manager.fork("prompt", "sample 1")
+    manager.fork("prompt", "sample 2")
+    manager.free("prompt")
+    colors = {"sample 1": "#1b9e77", "sample 2": "#d95f02"}
+    table = manager.block_tables["sample 1"]
+    last, held = table.block_ids[-1], table.num_tokens % manager.block_size
+    fig, axes = plt.subplots(2, 1, figsize=(7.2, 4.6), height_ratios=[1, 1.3])
+    plot_block_tables(manager, ax=axes[0], colors=colors,
+                      title=f"after fork: both hold blocks {table.block_ids}; block {last} is "
+                            f"filled {held} of {manager.block_size}")
+    manager.append_slot("sample 1")
     copies = manager.take_copies()
-    after = {s: list(manager.get_block_table(s)) for s in ("s1", "s2")}
-    counts_after = {b: pool.ref_count(b) for t in after.values() for b in t}
-    fig, axes = plt.subplots(1, 2, figsize=(7.2, 2.9))
-    panels = [(axes[0], "after fork:\nboth samples point to the same blocks", before, counts_before, set()),
-              (axes[1], f"sample 1 appends a token:\nshared block {copies[0][0]} is copied to block "
-               f"{copies[0][1]}", after, counts_after, {copies[0][1]})]
-    for ax, title, tables, counts, copied in panels:
-        blocks = sorted({b for t in tables.values() for b in t})
-        x_of = {b: i * 1.7 for i, b in enumerate(blocks)}
-        for row, seq in enumerate(("s1", "s2")):
-            y = 2.35 if row == 0 else -0.35
-            ax.text(-0.3, y, f"sample {row + 1}: {tables[seq]}", ha="right", va="center", fontsize=9.5)
-            for block in tables[seq]:
-                target = (x_of[block] + 0.75, 1.45 if row == 0 else 0.55)
-                ax.add_patch(FancyArrowPatch((-0.25, y), target, arrowstyle="-|>", mutation_scale=10,
-                                             color="#777777"))
-        for block in blocks:
-            color = "#8172b3" if counts[block] > 1 else ("#c44e52" if block in copied else OWNER_COLORS["A"])
-            label = f"block {block}\nrefs {counts[block]}"
-            _block(ax, x_of[block], 0.55, 1.5, 0.9, label, color)
-        ax.set_title(title, fontsize=9.5)
-        ax.set_xlim(-2.3, 3 * 1.7 + 0.1)
-        ax.set_ylim(-0.7, 2.7)
-        ax.axis("off")
+    (source, destination), = copies
+    plot_block_tables(manager, ax=axes[1], colors=colors, copies=copies, legend=True,
+                      title=f"sample 1 appends a token: shared block {source} is copied to block {destination}")
+    fig.tight_layout(h_pad=1.5)
     _save(fig, "copy_on_write.svg")
 
 
 def engine_components():
     """Stage 7: which component calls which, through which public methods."""
-    boxes = {  # name: (x, y) of the lower-left corner
-        "LLM": (0.0, 2.2), "LLMEngine": (3.0, 2.2), "Scheduler": (6.0, 3.6), "block manager": (9.8, 3.6),
-        "allocator": (9.8, 5.0), "ModelRunner": (6.0, 0.8), "PagedKVCache": (9.8, 0.8), "Sampler": (3.0, 0.0),
+    boxes = {  # name: centre
+        "LLM": (1.2, 3.0), "LLMEngine": (5.0, 3.0), "Scheduler": (8.9, 4.9), "block manager": (13.2, 4.9),
+        "allocator": (13.2, 6.9), "ModelRunner": (8.9, 1.1), "PagedKVCache": (13.2, 1.1), "Sampler": (5.0, 0.0),
     }
-    edges = [("LLM", "LLMEngine", "add_request\nstep"), ("LLMEngine", "Scheduler", "schedule\nfinish"),
-             ("Scheduler", "block manager", "allocate, append_slot\nswap_out, swap_in"),
-             ("block manager", "allocator", "allocate, free"), ("LLMEngine", "ModelRunner", "execute"),
-             ("ModelRunner", "block manager", "slot_mapping\nblock_tables_tensor"),
-             ("ModelRunner", "PagedKVCache", "write, copy_blocks\nswap"), ("LLMEngine", "Sampler", "logits")]
-    w, h = 2.1, 0.6
-    fig, ax = plt.subplots(figsize=(7.2, 3.9))
+    # (from, to, label, where the label's centre is, relative to the arrow's middle)
+    edges = [("LLM", "LLMEngine", "add_request\nstep", (0, 0.6)),
+             ("LLMEngine", "Scheduler", "schedule\nfinish", (-0.9, 0.4)),
+             ("Scheduler", "block manager", "allocate, append_slot\nswap_out, swap_in", (0, 0.8)),
+             ("block manager", "allocator", "allocate, free", (1.25, 0)),
+             ("LLMEngine", "ModelRunner", "execute", (0.75, 0.35)),
+             ("ModelRunner", "block manager", "slot_mapping\nblock_tables_tensor", (-0.5, 0.25)),
+             ("ModelRunner", "PagedKVCache", "write, copy_blocks\nswap", (0, -0.8)),
+             ("LLMEngine", "Sampler", "logits", (-0.55, 0))]
+    w, h = 2.6, 0.8
+    fig, ax = plt.subplots(figsize=(7.2, 4.1))
 
     def border(center, toward):  # where the line from a box's centre toward a point leaves the box
         dx, dy = toward[0] - center[0], toward[1] - center[1]
-        t = min((w / 2 + 0.08) / abs(dx) if dx else float("inf"), (h / 2 + 0.08) / abs(dy) if dy else float("inf"))
+        t = min((w / 2 + 0.1) / abs(dx) if dx else float("inf"), (h / 2 + 0.1) / abs(dy) if dy else float("inf"))
         return center[0] + t * dx, center[1] + t * dy
 
-    centers = {name: (x + w / 2, y + h / 2) for name, (x, y) in boxes.items()}
-    for a, b, label in edges:
-        start, end = border(centers[a], centers[b]), border(centers[b], centers[a])
+    for a, b, label, (ox, oy) in edges:
+        start, end = border(boxes[a], boxes[b]), border(boxes[b], boxes[a])
         ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12, color="#555555"))
-        middle = ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2)
-        if abs(start[1] - end[1]) < 0.01:  # a horizontal arrow: its label above it
-            middle = (middle[0], middle[1] + 0.4)
-        elif abs(start[0] - end[0]) < 0.01:  # a vertical arrow: its label beside it
-            middle = (middle[0] + 0.75, middle[1])
-        ax.text(*middle, label, ha="center", va="center",
-                fontsize=8, color="#333333", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+        middle = ((start[0] + end[0]) / 2 + ox, (start[1] + end[1]) / 2 + oy)
+        ax.text(*middle, label, ha="center", va="center", fontsize=9, color="#333333", linespacing=1.1,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     for name, (x, y) in boxes.items():
-        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", facecolor="#e8eaf6",
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02", facecolor="#e8eaf6",
                                     edgecolor="#3f51b5"))
-        ax.text(x + w / 2, y + h / 2, name, ha="center", va="center", fontsize=10)
-    ax.set_xlim(-0.1, 12.0)
-    ax.set_ylim(-0.1, 5.7)
+        ax.text(x, y, name, ha="center", va="center", fontsize=10.5)
+    ax.set_xlim(-0.2, 15.6)
+    ax.set_ylim(-0.5, 7.4)
     ax.axis("off")
     _save(fig, "engine_components.svg")
+
+
+def contiguous_waste():
+    """Stage 0: three requests in a 112-slot arena under ``pow2``: every kind of waste at once."""
+    cache = ContiguousKVCache(num_slots=112, max_model_len=40, policy="pow2", num_layers=0)
+    for rid, prompt, output, generated in [("A", 10, 14, 6), ("B", 20, 9, 4), ("C", 5, 20, 12)]:
+        cache.allocate(rid, prompt, output)  # id, prompt, output, generated so far
+        cache.append(rid, prompt + generated)
+    fig, ax = plt.subplots(figsize=(6.9, 1.1))
+    plot_arena(cache, next_reservation=cache.reservation(12, 20), ax=ax)
+    ax.legend(handles=ax.get_legend().legend_handles, loc="upper center", bbox_to_anchor=(0.5, -0.55),
+              ncol=5, frameon=False, fontsize=9)
+    _save(fig, "contiguous_waste.svg")
+
+
+def gather():
+    """Stage 4: a sequence of 11 tokens in blocks of 4, its table built by a real block manager."""
+    pool = BlockAllocator(6)
+    manager = BlockSpaceManager(pool, block_size=4)
+    for other in range(6):  # other sequences hold every block, then finish one by one
+        manager.allocate(other, range(4))
+    manager.free(5)
+    manager.allocate("A", range(4))
+    for freed, upto in ((1, 8), (3, 11)):
+        manager.free(freed)
+        while manager.block_tables["A"].num_tokens < upto:
+            manager.append_slot("A")
+    table = manager.block_tables["A"]
+    fig, ax = plt.subplots(figsize=(7.2, 3.0))
+    plot_gather(table.block_ids, seq_len=table.num_tokens, block_size=manager.block_size,
+                num_blocks=pool.num_total_blocks, ax=ax)
+    _save(fig, "gather.svg")
+
+
+def split_kv():
+    """Stage 5: the split-KV decode of one long sequence, with the kernels' own partition size."""
+    with plt.rc_context({"svg.fonttype": "path"}):  # the formula's glyphs drawn, not left to the browser
+        fig, ax = plt.subplots(figsize=(7.2, 2.6))
+        plot_split_kv(seq_len=1900, partition_size=PARTITION_SIZE, tile=64, ax=ax)
+        _save(fig, "split_kv.svg")
+
+
+def schedule():
+    """Stage 6: six requests, four blocks of 16: the real scheduler preempts the newest, by swapping."""
+    engine = simulated_engine(4, 16, 64, preemption_mode="swap", num_cpu_blocks=16)
+    scheduler = engine.scheduler
+    for request_id, prompt in enumerate([5, 4, 6, 3, 5, 4]):
+        engine.add_request(request_id, {"prompt_token_ids": [1] * prompt},
+                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    history = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        history.append({group.request_id: group.seqs[0].status.value
+                        for queue in (scheduler.waiting, scheduler.running, scheduler.swapped) for group in queue})
+    fig, ax = plt.subplots(figsize=(6.2, 2.2))
+    plot_schedule(history, labels={i: f"request {i}" for i in range(6)}, ax=ax)
+    ax.set_ylabel("")
+    ax.legend(handles=ax.get_legend().legend_handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4,
+              frameon=False, fontsize=10)
+    _save(fig, "schedule.svg")
+
+
+def parallel_sampling():
+    """Stage 8: one request of 4 samples: one prefill, then forks that share the prompt's blocks."""
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(16), block_size=4)
+    scheduler = Scheduler(manager, max_model_len=32)
+    runner = SimulatedRunner()
+    engine = SharingEngine(scheduler, runner, Sampler(), vocab_size=runner.vocab_size)
+    request = engine.add_request("p", {"prompt_token_ids": [1, 0, 1, 1, 0, 0, 1, 0, 1, 1]},
+                                 SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    rows = {f"sample {i}": seq.seq_id for i, seq in enumerate(request.seqs)}
+    fig, ax = plt.subplots(figsize=(7.2, 3.5))
+    plot_block_tables(manager, rows, num_blocks=8, ax=ax, legend=True)
+    _save(fig, "parallel_sampling.svg")
+
+
+def prefix_cache():
+    """Stage 9: three requests with one system prompt: its full blocks are computed once, then found."""
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(12), block_size=4)
+    scheduler = Scheduler(manager, max_model_len=32)
+    runner = SimulatedRunner()
+    engine = SharingEngine(scheduler, runner, Sampler(), vocab_size=runner.vocab_size)
+    system = [1, 0, 0, 1, 1, 1, 0, 1, 0, 0]  # 10 tokens: two full blocks of 4, and 2 more
+    questions = [[1, 1, 0], [0, 1, 0, 0, 1], [0, 0, 1, 1]]
+    requests = {}
+    for i, question in enumerate(questions):
+        requests[f"request {i}"] = engine.add_request(i, {"prompt_token_ids": system + question},
+                                                      SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+        engine.step()  # admitted: its prompt's full blocks are looked up
+        engine.step()  # its first decode: its own full prompt blocks become findable
+    rows = {name: r.seqs[0].seq_id for name, r in requests.items()}
+    fig, ax = plt.subplots(figsize=(7.2, 3.1))
+    plot_block_tables(manager, rows, ax=ax, legend=True)
+    _save(fig, "prefix_cache.svg")
 
 
 def paged_memory():
@@ -219,7 +341,8 @@ def paged_memory():
 
 
 def main():
-    for draw in (block_pool, block_table, copy_on_write, engine_components, paged_memory):
+    for draw in (paged_memory, contiguous_waste, block_pool, block_table, copy_on_write, gather, split_kv,
+                 schedule, engine_components, parallel_sampling, prefix_cache):
         draw()
     print(f"wrote {len(list(OUT.glob('*.svg')))} figures to {OUT.relative_to(ROOT)}")
 
