@@ -1,5 +1,8 @@
 """The documentation site stands alone: every page works offline, in a real browser.
 
+The tests marked ``docs`` need the built site (``make docs-build`` runs them); the others
+read the sources and run with every other test.
+
 The site is ``$MINIPAGED_SITE`` when set (``make test`` builds it with the executed
 notebooks first), otherwise it is built here. Two checks:
 
@@ -28,7 +31,7 @@ from urllib.parse import urljoin, urlparse
 
 import pytest
 
-pytestmark = pytest.mark.docs
+docs = pytest.mark.docs  # needs the built site
 
 ROOT = Path(__file__).resolve().parent.parent
 ABSOLUTE = re.compile(r"^(https?:)?//", re.I)
@@ -95,6 +98,7 @@ def _local_target(site: Path, page: Path, address: str) -> Path | None:
     return (site / path.lstrip("/")) if path.startswith("/") else (page.parent / path)
 
 
+@docs
 def test_no_page_or_stylesheet_loads_anything_from_outside_the_site(site):
     pages = sorted(site.rglob("*.html"))
     assert len(pages) >= 30, "the site is missing pages"
@@ -129,6 +133,7 @@ def test_the_check_finds_what_it_looks_for():
         "https://x.example/i.png"]
 
 
+@docs
 def test_notebook_pages_can_be_downloaded_and_link_to_their_stage_and_exercise(site):
     notebooks = sorted((site / "tutorials").glob("*.html"))
     assert len(notebooks) == len(list((ROOT / "tutorials").glob("*.ipynb")))
@@ -195,6 +200,7 @@ PAGES_WITH_MATH = ["stages/5_triton_attention.html", "tutorials/05_triton_kernel
 PAGES = ["index.html", *PAGES_WITH_MATH, "tutorials/09_prefix_caching.html", "stages/1_block_allocator.html"]
 
 
+@docs
 @pytest.mark.parametrize("page", PAGES)
 def test_pages_render_in_a_browser_that_cannot_reach_the_internet(page, served, browser):
     from selenium.webdriver.support.ui import WebDriverWait
@@ -221,6 +227,7 @@ def test_pages_render_in_a_browser_that_cannot_reach_the_internet(page, served, 
     assert not outside, f"{page} asked for {outside}"
 
 
+@docs
 def test_a_page_opened_from_the_folder_shows_its_figures_and_links_to_files(site, browser):
     browser.get((site / "stages" / "1_block_allocator.html").resolve().as_uri())
     images = browser.execute_script("return [...document.images].map(i => i.naturalWidth)")
@@ -229,3 +236,56 @@ def test_a_page_opened_from_the_folder_shows_its_figures_and_links_to_files(site
         "return [...document.querySelectorAll('nav a.md-nav__link[href]')].map(a => a.href)")
     pages = [link for link in links if link.startswith("file:") and "#" not in link]
     assert pages and all(link.endswith(".html") for link in pages), pages[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# One test command everywhere: `pytest -k stageN`. A page, notebook or message that picks a
+# stage's tests by marker (`pytest -m stage3`) shows a second way to do one thing.
+
+PYTEST_COMMAND = re.compile(r"pytest\b[^\n`]*")
+BY_MARKER = re.compile(r"""\s(?:-m|--markexpr)[\s=]*["']?[^"'\n`]*?\b(stage\d+|serving|tooling)\b""")
+
+
+def _other_test_commands(text: str) -> list[str]:
+    """The pytest command lines in ``text`` that select tests by marker rather than with -k."""
+    return [command.group(0).strip() for command in PYTEST_COMMAND.finditer(text)
+            if BY_MARKER.search(command.group(0))]
+
+
+def _shown_texts() -> dict[str, str]:
+    """Every text a learner reads: pages (both languages), the README, notebook cells, messages."""
+    texts = {}
+    pages = [p for p in sorted((ROOT / "docs").rglob("*.md"))  # docs/tutorials: notebook copies
+             if "tutorials" not in p.relative_to(ROOT / "docs").parts]
+    for path in [ROOT / "README.md", *pages]:
+        texts[str(path.relative_to(ROOT))] = path.read_text(encoding="utf-8")
+    for notebook in sorted((ROOT / "tutorials").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        for number, cell in enumerate(cells):
+            source = cell["source"]
+            texts[f"{notebook.relative_to(ROOT)} cell {number}"] = (
+                source if isinstance(source, str) else "".join(source))
+    for module in sorted((ROOT / "minipaged").rglob("*.py")):
+        texts[str(module.relative_to(ROOT))] = module.read_text(encoding="utf-8")
+    return texts
+
+
+def test_the_test_command_check_finds_marker_selections():
+    assert _other_test_commands("run `pytest -m stage3`, then `python -m pytest -k stage3`") == [
+        "pytest -m stage3"]
+    assert _other_test_commands('pytest -q -m "stage6 and not gpu"\npytest --markexpr=serving') == [
+        'pytest -q -m "stage6 and not gpu"', "pytest --markexpr=serving"]
+    assert _other_test_commands('cd ex0 && pytest -k stage0\n`pytest -k "stage6 and rule_"`') == []
+
+
+def test_every_page_notebook_and_message_shows_one_test_command():
+    texts = _shown_texts()
+    assert any(name.startswith("tutorials/") for name in texts) and "README.md" in texts
+    others = [f"{name}: {command}" for name, text in texts.items()
+              for command in _other_test_commands(text)]
+    assert not others, "use `pytest -k stageN`:\n" + "\n".join(others)
+    for number in range(10):  # and each stage's page and exercise show the command for it
+        stage_page, = [p for p in (ROOT / "docs" / "stages").glob(f"{number}_*.md")
+                       if not p.name.endswith(".zh.md")]
+        for page in (stage_page, ROOT / "docs" / "exercises" / f"stage{number}.md"):
+            assert re.search(rf"pytest -k \"?stage{number}\b", page.read_text(encoding="utf-8")), page
