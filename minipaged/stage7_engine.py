@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from minipaged.logits_processors import apply_logits_processors
 from minipaged.models import (
     AttentionMetadata,
     load_config,
@@ -112,10 +113,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 class Sampler:
-    """Logits ``(num_seqs, vocab)`` to one token per sequence, and the log-probabilities of all."""
+    """Logits ``(num_seqs, vocab)`` to one token per sequence, and the log-probabilities of all.
+
+    First the rows whose params ask for penalties, ``logit_bias``, ``min_tokens`` or ``min_p``
+    are processed in place (``minipaged.logits_processors``; ``eos_token_ids`` are the tokens
+    ``min_tokens`` holds back)."""
+
+    def __init__(self, eos_token_ids=()) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence],
                  params: list[SamplingParams]) -> tuple[list[int], torch.Tensor]:
+        apply_logits_processors(logits, seqs, params, self.eos_token_ids)
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows in one go; the others are drawn
         for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
             if p.temperature > 0:
@@ -365,7 +374,7 @@ class LLM:
         eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
         eos_ids = set(c.eos_token_ids) | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.engine = self.engine_class(self.scheduler, ModelRunner(self.model, self.cache, manager, backend),
-                                        Sampler(), tokenizer=self.tokenizer, eos_token_ids=eos_ids,
+                                        Sampler(eos_ids), tokenizer=self.tokenizer, eos_token_ids=eos_ids,
                                         vocab_size=c.vocab_size, seed=seed)
         self._request_ids = itertools.count()
 
