@@ -18,6 +18,7 @@ Reported per rate: normalized latency (mean of end-to-end latency / output token
 50th and 99th percentiles of time to first token and of inter-token latency. A system
 *holds* a rate while its normalized latency stays under 5 times the paged engine's at the
 lowest rate. Writes bench/results/serving.json and .png; the last line is the headline.
+``--plot-only`` redraws the .png from the saved .json without measuring anything.
 """
 
 from __future__ import annotations
@@ -139,11 +140,48 @@ async def load(url, requests, prompts, rate):
             "ttft_p50": pick(ttft, 0.5), "ttft_p99": pick(ttft, 0.99), "itl_p50": pick(itl, 0.5), "itl_p99": pick(itl, 0.99)}
 
 
+def plot(data: dict, path: Path) -> None:
+    """Normalized latency against the request rate, one panel per trace, from the saved results."""
+    results, held = data["results"], data["held"]
+    fig, axes = plt.subplots(1, len(results), figsize=(3.6 * len(results), 3.6), squeeze=False, sharey=True,
+                             layout="constrained")
+    for ax, (name, by_policy) in zip(axes[0], results.items(), strict=True):
+        for policy, rows in by_policy.items():
+            rates = sorted(rows, key=float)  # keys are strings once read back from the JSON file
+            ax.plot([float(r) for r in rates], [1e3 * rows[r]["normalized_latency"] for r in rates], "o-", ms=4,
+                    label="paged" if policy == "paged" else f"Orca ({policy})")
+        ax.axhline(held[name]["threshold_ms_per_token"], color="#999", lw=1, ls="--",
+                   label="5 × paged at the lowest rate")
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s)", fontsize=11)
+        ax.set_title(f"{name}-like", fontsize=12)
+        ax.tick_params(labelsize=10)
+    axes[0][0].set_ylabel("normalized latency (ms/token)", fontsize=11)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=10, frameon=False)
+    fig.suptitle(f"tiny model, {data['blocks']} blocks of {data['block_size']} tokens", fontsize=11)
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+
+
+def headline(held: dict) -> str:
+    return "rates held under the latency threshold: " + "; ".join(
+        f"{name}: paged {h['paged']}, oracle {h['oracle']}, pow2 {h['pow2']}, max {h['max']} req/s"
+        for name, h in held.items()) + f" (paper: {PAPER})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one trace, fewer requests and rates")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the saved results (bench/results/serving.json), measuring nothing")
     args = parser.parse_args()
     results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    if args.plot_only:
+        data = json.loads((results_dir / "serving.json").read_text())
+        plot(data, results_dir / "serving.png")
+        print(headline(data["held"]))
+        return
     traces = ["ShareGPT"] if args.quick else list(TRACES)
     rates = {"ShareGPT": [2, 4, 8, 16] if args.quick else [2, 4, 8, 12, 16, 24, 32, 48],
              "Alpaca": [8, 16, 32, 64, 96, 128, 192]}
@@ -176,21 +214,9 @@ def main() -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "serving.json").write_text(json.dumps({"blocks": BLOCKS, "block_size": BLOCK_SIZE, "max_len": MAX_LEN,
                                                            "results": results, "held": held, "paper": PAPER}, indent=2))
-    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.4), squeeze=False)
-    for ax, (name, by_policy) in zip(axes[0], results.items(), strict=True):
-        for policy, rows in by_policy.items():
-            ax.plot(list(rows), [1e3 * r["normalized_latency"] for r in rows.values()], "o-", label=policy)
-        ax.axhline(held[name]["threshold_ms_per_token"], color="#999", lw=0.8, ls="--")
-        ax.set_yscale("log")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_title(f"{name}-like, tiny model, {BLOCKS} blocks of {BLOCK_SIZE}", fontsize=9)
-    axes[0][0].set_ylabel("normalized latency (ms/token)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results_dir / "serving.png", dpi=120)
-    print("rates held under the latency threshold: " + "; ".join(
-        f"{name}: paged {h['paged']}, oracle {h['oracle']}, pow2 {h['pow2']}, max {h['max']} req/s"
-        for name, h in held.items()) + f" (paper: {PAPER})")
+    data = json.loads((results_dir / "serving.json").read_text())  # as --plot-only reads it
+    plot(data, results_dir / "serving.png")
+    print(headline(held))
 
 
 if __name__ == "__main__":

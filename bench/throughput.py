@@ -14,7 +14,8 @@ wall time; the greedy outputs are checked equal. Also reported: the share of min
 wall time spent outside the model's forward pass (scheduling, block bookkeeping, inputs,
 sampling).
 
-Writes bench/results/throughput.json and .png; the last line is the ratios.
+Writes bench/results/throughput.json and .png; the last line is the ratios. ``--plot-only``
+redraws the .png from the saved .json without measuring anything.
 """
 
 from __future__ import annotations
@@ -104,14 +105,45 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - start
 
 
+def plot(data: dict, path: Path) -> None:
+    """Generated tokens per second of each engine, per batch size, from the saved results."""
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+    xs = range(len(rows))
+    bars = [("minipaged", "minipaged_tps", "#1b9e77"),
+            ("transformers, continuous batching", "transformers_cb_tps", "#7570b3"),
+            ("transformers generate", "transformers_tps", "#999999")]
+    for k, (label, key, color) in enumerate(bars):
+        ax.bar([x + 0.27 * (k - 1) for x in xs], [r[key] for r in rows], 0.27, label=label, color=color)
+    ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows], fontsize=11)
+    ax.tick_params(axis="y", labelsize=10)
+    ax.set_ylabel("generated tokens / s", fontsize=11)
+    ax.set_title(f"{data['model']} model, {data['requests']} requests, {data['device']}", fontsize=11)
+    fig.legend(loc="outside lower center", ncol=3, fontsize=9.5, frameon=False)  # below: it covers no bar
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+
+
+def headline(rows: list[dict]) -> str:
+    return ("minipaged's throughput vs transformers generate / continuous batching: "
+            + ", ".join(f"{r['ratio']:.1f}x / {r['ratio_cb']:.1f}x at batch {r['batch']}" for r in rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 requests (the default is 128)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, help="max_num_seqs and transformers' batch size (default: 16, 32, 64)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the saved results (bench/results/throughput.json), measuring nothing")
     args = parser.parse_args()
     results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    if args.plot_only:
+        data = json.loads((results_dir / "throughput.json").read_text())
+        plot(data, results_dir / "throughput.png")
+        print(headline(data["rows"]))
+        return
     torch.manual_seed(0)
     path = resolve_model_path(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
@@ -157,21 +189,8 @@ def main() -> None:
     (results_dir / "throughput.json").write_text(json.dumps(
         {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
          "rows": rows}, indent=2))
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    xs = range(len(rows))
-    ax.bar([x - 0.27 for x in xs], [r["minipaged_tps"] for r in rows], 0.27, label="minipaged", color="#1b9e77")
-    ax.bar(list(xs), [r["transformers_cb_tps"] for r in rows], 0.27, label="transformers, continuous batching",
-           color="#7570b3")
-    ax.bar([x + 0.27 for x in xs], [r["transformers_tps"] for r in rows], 0.27, label="transformers generate",
-           color="#999999")
-    ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"{args.model}, {len(trace)} requests, {args.device}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results_dir / "throughput.png", dpi=120)
-    print("minipaged's throughput vs transformers generate / continuous batching: "
-          + ", ".join(f"{r['ratio']:.1f}x / {r['ratio_cb']:.1f}x at batch {r['batch']}" for r in rows))
+    plot(json.loads((results_dir / "throughput.json").read_text()), results_dir / "throughput.png")
+    print(headline(rows))
 
 
 if __name__ == "__main__":
