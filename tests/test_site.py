@@ -289,3 +289,81 @@ def test_every_page_notebook_and_message_shows_one_test_command():
                        if not p.name.endswith(".zh.md")]
         for page in (stage_page, ROOT / "docs" / "exercises" / f"stage{number}.md"):
             assert re.search(rf"pytest -k \"?stage{number}\b", page.read_text(encoding="utf-8")), page
+
+
+# ---------------------------------------------------------------------------------------------
+# The learner's path: stage N's page, tutorial N, exercise N, then stage N + 1; after stage 9's
+# exercise, tutorial 10 (serving), the serving page and the benchmarks. The footers follow it.
+
+class _FooterLinks(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.links: dict[str, str] = {}
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        for direction in ("prev", "next"):
+            if tag == "a" and f"md-footer__link--{direction}" in (attrs.get("class") or ""):
+                self.links[direction] = attrs["href"]
+
+
+def _footer(site: Path, page: str) -> dict[str, str]:
+    parser = _FooterLinks()
+    parser.feed((site / page).read_text(encoding="utf-8"))
+    base = f"http://site/{page}"
+    return {direction: urljoin(base, href).removeprefix("http://site/")
+            for direction, href in parser.links.items()}
+
+
+def _walk(site: Path, start: str, direction: str) -> list[str]:
+    pages = [start]
+    while (following := _footer(site, pages[-1]).get(direction)) is not None:
+        assert following not in pages, f"the footers go round in a circle at {following}"
+        pages.append(following)
+    return pages
+
+
+def _step(page: str) -> str:
+    """A page's place on the learner's path: 'stage 3', 'tutorial 3', 'exercise 3', or its name."""
+    for kind, pattern in (("stage", r"stages/(\d+)_\w+\.html"), ("tutorial", r"tutorials/(\d+)_\w+\.html"),
+                          ("exercise", r"exercises/stage(\d+)\.html")):
+        if match := re.fullmatch(pattern, page):
+            return f"{kind} {int(match.group(1))}"
+    return page.removesuffix(".html")
+
+
+LEARNERS_PATH = ["exercises/index", *[f"{kind} {n}" for n in range(10)
+                                      for kind in ("stage", "tutorial", "exercise")],
+                 "tutorial 10", "serving", "benchmarks"]
+
+
+def _check_learners_path(pages: list[str]) -> None:
+    steps = [_step(page) for page in pages]
+    assert steps[0] == "index", steps[:3]
+    missing = [step for step in LEARNERS_PATH if step not in steps]
+    assert not missing, f"pages the footers never reach: {missing}"
+    start = steps.index("stage 0")
+    assert steps.index("exercises/index") < start
+    assert steps[start:start + len(LEARNERS_PATH) - 1] == LEARNERS_PATH[1:], steps[start:]
+
+
+def test_the_path_check_finds_a_page_out_of_order():
+    good = ["index.html", "exercises/index.html", "glossary.html"]
+    for n in range(10):
+        good += [f"stages/{n}_x.html", f"tutorials/{n:02d}_x.html", f"exercises/stage{n}.html"]
+    good += ["tutorials/10_serving.html", "serving.html", "benchmarks.html", "api.html"]
+    _check_learners_path(good)
+    swapped = good.copy()
+    swapped[4], swapped[5] = swapped[5], swapped[4]  # tutorial 0 before its stage page
+    with pytest.raises(AssertionError):
+        _check_learners_path(swapped)
+    with pytest.raises(AssertionError):  # the exercises at the end, as a section of their own
+        _check_learners_path([p for p in good if "exercises/" not in p] +
+                             [p for p in good if "exercises/" in p])
+
+
+@docs
+def test_the_footers_lead_along_the_learners_path(site):
+    forward = _walk(site, "index.html", "next")
+    _check_learners_path(forward)
+    assert _walk(site, forward[-1], "prev") == forward[::-1]
