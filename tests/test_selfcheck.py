@@ -1,0 +1,519 @@
+"""The numbers in the stage pages' self-checks, computed by minipaged itself.
+
+Every stage page ends with questions whose answers are folded (``??? question "…"``).
+Where an answer is a number (or a name the code decides, such as a preemption victim),
+it is written in bold, and this file computes it with the project's public API: the
+bold spans of the answer must be exactly what the code gives, in order. A page that
+drifts from the code, or code that changes what the page promised, fails here. A
+translated page (``N_topic.zh.md``) that carries the self-check is held to the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from minipaged import (
+    BlockAllocator,
+    BlockSpaceManager,
+    ContiguousKVCache,
+    CowBlockSpaceManager,
+    OutOfBlocksError,
+    PagedKVCache,
+    PrefixCachingAllocator,
+    PrefixCachingBlockSpaceManager,
+    RefCountedBlockAllocator,
+    SamplingParams,
+    Scheduler,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    SwapBlockSpaceManager,
+    paged_attention_ref,
+)
+from minipaged.simulate import simulate_contiguous, simulate_paged, synthetic_requests
+from minipaged.stage5_triton_attention import PARTITION_SIZE
+
+pytestmark = pytest.mark.tooling
+
+STAGES = Path(__file__).resolve().parent.parent / "docs" / "stages"
+PAGES = {n: next(p for p in sorted(STAGES.glob(f"{n}_*.md")) if not p.name.endswith(".zh.md"))
+         for n in range(10)}
+QUESTION = re.compile(r'^\?\?\?\+? question "(?P<title>.*)"\s*$')
+BOLD = re.compile(r"\*\*(.+?)\*\*")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is several times faster than two on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def answers(page: Path) -> list[tuple[str, str]]:
+    """The page's self-check: (question, folded answer) in order."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        match = QUESTION.match(line)
+        if match:
+            body = []
+            for following in lines[i + 1:]:
+                if following.strip() and not following.startswith("    "):
+                    break
+                body.append(following)
+            found.append((match["title"], "\n".join(body)))
+    return found
+
+
+def normal(text: str) -> str:
+    """Compare numbers as written: 819,200 and 819 200 and 819200 are the same."""
+    return re.sub(r"[\s,\u202f\u2009]", "", str(text))
+
+
+def bold_spans(page: Path, index: int) -> list[str]:
+    found = answers(page)
+    assert index < len(found), f"{page.name} has {len(found)} self-check questions, not {index + 1}"
+    return [normal(b) for b in BOLD.findall(found[index][1])]
+
+
+def check(stage: int, index: int, *expected) -> None:
+    """Question ``index`` of the stage's page (and of its translation) answers ``expected``."""
+    page = PAGES[stage]
+    want = [normal(e) for e in expected]
+    assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+    translated = page.with_name(page.name.replace(".md", ".zh.md"))
+    if translated.exists() and len(answers(translated)) == len(answers(page)):
+        assert bold_spans(translated, index) == want, f"{translated.name}, question {index + 1}"
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V that one token slot holds, measured on a real one-slot paged cache."""
+    cache = PagedKVCache(num_layers, 1, 1, num_kv_heads, head_dim, dtype)
+    return sum(t.numel() * t.element_size() for t in cache.key_cache + cache.value_cache)
+
+
+def kib(num_bytes: int) -> str:
+    assert num_bytes % 1024 == 0
+    return f"{num_bytes // 1024:,}"
+
+
+# Questions answered in words: their answers hold no bold, so that every bold answer is one
+# that a test below computes.
+IN_WORDS = {0: {5}, 1: {4}, 2: {4}, 3: {4}, 4: {2, 3}, 5: {2, 4}, 6: set(), 7: {4}, 8: {1, 2, 3}, 9: {4}}
+
+
+def test_every_stage_page_ends_with_a_self_check_and_an_interview_answer():
+    for stage, page in PAGES.items():
+        text = page.read_text(encoding="utf-8")
+        assert 4 <= len(answers(page)) <= 6, f"{page.name}: 4 to 6 self-check questions"
+        assert "## Self-check" in text and "## Explain it in an interview" in text, page.name
+        assert text.index("## Self-check") < text.index("## Explain it in an interview"), page.name
+        for index, (title, body) in enumerate(answers(page)):
+            assert title.strip() and body.strip(), f"{page.name}: {title!r} has no answer"
+            if index in IN_WORDS[stage]:
+                assert not bold_spans(page, index), f"{page.name}: {title!r} is answered in words"
+            else:
+                assert bold_spans(page, index), f"{page.name}: {title!r} has no computed answer"
+
+
+# Stage 0 ------------------------------------------------------------------------------------
+
+
+def test_stage0_kv_memory_per_token():
+    opt13b = kv_bytes_per_token(40, 40, 128, torch.float16)  # 40 layers, 40 heads of 128, float16
+    check(0, 0, f"{opt13b:,}", kib(opt13b))
+    llama3_8b = kv_bytes_per_token(32, 8, 128, torch.bfloat16)  # 32 layers, 8 KV heads of 128
+    check(0, 1, kib(llama3_8b), f"{2048 * llama3_8b // 2**20:,}")
+
+
+def test_stage0_max_policy_admits_a_fixed_number_of_requests():
+    cache = ContiguousKVCache(16384, 2048, "max", num_layers=0)
+    admitted = 0
+    while cache.can_allocate(1, 1):
+        cache.allocate(admitted, 1, 1)
+        admitted += 1
+    check(0, 2, admitted)
+
+
+def test_stage0_pow2_reservation_and_its_internal_fragmentation():
+    cache = ContiguousKVCache(1024, 1024, "pow2", num_layers=0)
+    slab = cache.allocate("r", 100, 5)
+    cache.append("r", 100)
+    cache.append("r", 5)
+    check(0, 3, slab.size, cache.usage().internal)
+
+
+def test_stage0_external_fragmentation_refuses_a_request_that_free_memory_could_hold():
+    cache = ContiguousKVCache(64, 64, "oracle", num_layers=0)
+    for name in "ABC":
+        cache.allocate(name, 10, 10)
+    cache.free("A")
+    cache.free("C")
+    usage = cache.usage(next_reservation=cache.reservation(15, 15))
+    assert not cache.can_allocate(15, 15)
+    check(0, 4, usage.external + usage.free, "no", usage.external)
+
+
+# Stage 1 ------------------------------------------------------------------------------------
+
+
+def test_stage1_blocks_for_a_prompt():
+    manager = BlockSpaceManager(BlockAllocator(8), block_size=16)
+    manager.allocate("p", list(range(37)))
+    blocks = len(manager.get_block_table("p"))
+    check(1, 0, blocks, blocks * 16 - 37)
+
+
+def test_stage1_which_block_comes_next():
+    pool = BlockAllocator(8)
+    pool.allocate(3)
+    pool.allocate(2)
+    pool.free(1)
+    (block,) = pool.allocate(1)
+    check(1, 1, block)
+
+
+def test_stage1_all_or_nothing():
+    pool = BlockAllocator(8)
+    pool.allocate(5)
+    with pytest.raises(OutOfBlocksError) as refused:
+        pool.allocate(4)
+    check(1, 2, refused.value.num_requested, refused.value.num_free, pool.num_free_blocks)
+
+
+def test_stage1_how_many_sequences_fit_in_blocks():
+    manager = BlockSpaceManager(BlockAllocator(16384 // 16), block_size=16)
+    fitted = 0
+    while manager.can_allocate(100):
+        manager.allocate(fitted, [0] * 100)
+        fitted += 1
+    check(1, 3, fitted, 16 - 100 % 16)
+
+
+# Stage 2 ------------------------------------------------------------------------------------
+
+
+def test_stage2_block_table_and_slot():
+    manager = BlockSpaceManager(BlockAllocator(8), block_size=4)
+    manager.allocate("A", list(range(6)))
+    manager.allocate("B", list(range(3)))
+    for _ in range(3):
+        manager.append_slot("A")
+    table = manager.get_block_table("A")
+    check(2, 0, str(table), manager.slot_of("A", 8))
+
+
+def test_stage2_block_tables_tensor_shape():
+    manager = BlockSpaceManager(BlockAllocator(16), block_size=16)
+    for name, length in (("a", 5), ("b", 40), ("c", 17)):
+        manager.allocate(name, list(range(length)))
+    tables = manager.block_tables_tensor(["a", "b", "c"])
+    check(2, 1, f"{tables.shape[0]} × {tables.shape[1]}")
+
+
+def test_stage2_worst_case_waste():
+    manager = BlockSpaceManager(BlockAllocator(16384 // 16), block_size=16)
+    for seq in range(31):
+        manager.allocate(seq, [0] * 17)  # one token in the last block: the worst case
+    usage = manager.usage()
+    check(2, 2, usage.internal, f"{100 * usage.internal / usage.total:.1f}%")
+
+
+def test_stage2_allocate_returns_no_cached_tokens():
+    manager = BlockSpaceManager(BlockAllocator(8), block_size=16)
+    check(2, 3, manager.allocate("p", list(range(20))))
+
+
+def test_stage2_where_the_memory_goes_table_is_the_demo():
+    """The table of stage 2's page: `make demo`'s trace, 16,384 slots, blocks of 16."""
+    requests = synthetic_requests(300, rate=0.2, seed=0)  # the demo's defaults
+    rows = [simulate_contiguous(requests, p, 16384, 2048) for p in ("max", "pow2", "oracle")]
+    rows.append(simulate_paged(requests, 16384 // 16, 16))
+    text = PAGES[2].read_text(encoding="utf-8")
+    for label, row in zip(("contiguous, `max`", "contiguous, `pow2`", "contiguous, `oracle`",
+                           "paged, blocks of 16"), rows, strict=True):
+        cells = f"| {label} | {100 * row.fractions['token']:.0f}% | {row.mean_running:.1f} |"
+        assert cells in text, cells
+
+
+# Stage 3 ------------------------------------------------------------------------------------
+
+
+def forked(prompt_len: int, samples: int) -> CowBlockSpaceManager:
+    manager = CowBlockSpaceManager(RefCountedBlockAllocator(32), block_size=16)
+    manager.allocate(0, list(range(prompt_len)))
+    for child in range(1, samples):
+        manager.fork(0, child)
+    return manager
+
+
+def used(manager) -> int:
+    return manager.num_total_blocks - manager.num_free_blocks
+
+
+def test_stage3_fork_shares_every_block():
+    manager = forked(40, 4)
+    check(3, 0, used(manager), manager.ref_count(manager.get_block_table(0)[0]))
+
+
+def test_stage3_copy_on_write_copies_the_partial_block():
+    manager = forked(40, 4)
+    for seq in range(4):
+        manager.append_slot(seq)
+    check(3, 1, used(manager), len(manager.take_copies()))
+
+
+def test_stage3_full_blocks_are_never_copied():
+    manager = forked(48, 4)
+    for seq in range(4):
+        manager.append_slot(seq)
+    check(3, 2, used(manager), len(manager.take_copies()))
+
+
+def test_stage3_freeing_a_sample_drops_one_reference():
+    manager = forked(40, 4)
+    for seq in range(4):
+        manager.append_slot(seq)
+    manager.free(3)
+    check(3, 3, manager.ref_count(manager.get_block_table(0)[0]))
+
+
+# Stage 4 ------------------------------------------------------------------------------------
+
+
+def visible_keys(seq_len: int, num_queries: int) -> list[int]:
+    """How many keys each query attends to, read off the attention itself: all keys are
+    equal (uniform weights) and each value is its position, so a query's output is the
+    mean of the positions it sees, (n - 1) / 2."""
+    block_size, head_dim = 16, 4
+    num_blocks = math.ceil(seq_len / block_size)
+    positions = torch.arange(num_blocks * block_size, dtype=torch.float32)
+    key_cache = torch.zeros(num_blocks, block_size, 1, head_dim)
+    value_cache = positions.reshape(num_blocks, block_size, 1, 1).expand(-1, -1, 1, head_dim).contiguous()
+    out = paged_attention_ref(torch.ones(num_queries, 1, head_dim), key_cache, value_cache,
+                              torch.arange(num_blocks, dtype=torch.int32)[None], torch.tensor([seq_len], dtype=torch.int32),
+                              query_start_loc=torch.tensor([0, num_queries], dtype=torch.int32))
+    return [round(2 * m + 1) for m in out[:, 0, 0].tolist()]
+
+
+def test_stage4_causal_queries_at_the_end():
+    seen = visible_keys(100, 5)
+    check(4, 0, seen[0], seen[-1])
+
+
+def test_stage4_grouped_query_heads_read_their_kv_head():
+    num_heads, num_kv_heads, head_dim = 14, 2, 8
+    key_cache = torch.zeros(1, 16, num_kv_heads, head_dim)
+    value_cache = torch.arange(num_kv_heads, dtype=torch.float32).reshape(1, 1, num_kv_heads, 1).expand(
+        1, 16, num_kv_heads, head_dim).contiguous()  # every value of KV head h is h
+    out = paged_attention_ref(torch.randn(1, num_heads, head_dim), key_cache, value_cache,
+                              torch.zeros(1, 1, dtype=torch.int32), torch.tensor([10], dtype=torch.int32))
+    check(4, 1, round(out[0, 9, 0].item()))
+
+
+# Stage 5 ------------------------------------------------------------------------------------
+
+
+def test_stage5_partitions_of_split_kv():
+    check(5, 0, PARTITION_SIZE, math.ceil(1200 / PARTITION_SIZE))
+
+
+def test_stage5_programs_of_v1_and_v2():
+    seqs, kv_heads, context = 1, 8, 32768
+    check(5, 1, seqs * kv_heads, seqs * kv_heads * math.ceil(context / PARTITION_SIZE))
+
+
+def test_stage5_decode_reads_the_whole_cache():
+    per_token = kv_bytes_per_token(32, 8, 128, torch.bfloat16)
+    total = 64 * 2048 * per_token
+    check(5, 3, f"{total / 2**30:.0f}", f"{total / 3.35e12 * 1e3:.1f}")
+
+
+# Stage 6 ------------------------------------------------------------------------------------
+
+
+def run(scheduler: Scheduler, steps: int = 1000, on_step=None) -> None:
+    """A model-free serving loop: every scheduled sequence gets a token; finish at max_tokens."""
+    for _ in range(steps):
+        if not scheduler.has_unfinished():
+            return
+        out = scheduler.schedule()
+        if on_step:
+            on_step(out)
+        for group in out.scheduled_groups:
+            for seq in group.seqs_with(SequenceStatus.RUNNING):
+                seq.append_token(1)
+                if len(seq.output_token_ids) >= group.max_tokens:
+                    scheduler.finish(seq)
+
+
+def scheduler(num_blocks: int, block_size: int, max_model_len: int, **kwargs) -> Scheduler:
+    cpu = kwargs.pop("num_cpu_blocks", 0)
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(num_blocks), block_size,
+                                    RefCountedBlockAllocator(cpu) if cpu else None)
+    return Scheduler(manager, max_model_len=max_model_len, watermark=0.0, **kwargs)
+
+
+def request(name: str, prompt_len: int, max_tokens: int) -> SequenceGroup:
+    return SequenceGroup(name, [Sequence(list(range(prompt_len)))], max_tokens=max_tokens)
+
+
+def test_stage6_the_newest_request_is_preempted():
+    s = scheduler(5, 4, 20)
+    for name in "ABC":
+        s.add(request(name, 4, 8))
+    victims = []
+    run(s, 3, lambda out: victims.extend(g.request_id for g in out.preempted))
+    check(6, 0, victims[0])
+
+
+def test_stage6_a_new_prompt_joins_the_decodes_in_one_step():
+    s = scheduler(64, 16, 256)
+    s.add(request("A", 10, 50))
+    run(s, 1)
+    s.add(request("B", 20, 50))
+    out = s.schedule()
+    check(6, 1, sum(n for _, n in out.scheduled), len(out.scheduled))
+
+
+def test_stage6_recompute_prefills_the_generated_tokens_too():
+    s = scheduler(44, 1, 44)
+    s.add(request("A", 12, 30))
+    s.add(request("B", 20, 20))
+    b = s.waiting[1].seqs[0]
+    events = []
+
+    def watch(out):
+        if any(g.request_id == "B" for g in out.preempted):
+            events.append(("preempted", len(b.output_token_ids)))
+        for seq, n in out.scheduled:
+            if seq is b and n > 1:
+                events.append(("prefill", n))
+
+    run(s, 200, watch)
+    (_, first), (_, generated), (_, again) = events[:3]
+    assert first == 20
+    check(6, 2, generated, again)
+
+
+def test_stage6_watermark():
+    s = Scheduler(SwapBlockSpaceManager(RefCountedBlockAllocator(1000), 16), max_model_len=2048)
+    check(6, 3, s.watermark_blocks)
+
+
+def test_stage6_a_full_swap_space_falls_back_to_recompute():
+    s = scheduler(8, 4, 32, preemption_mode="swap", num_cpu_blocks=1)
+    for name in "ABC":
+        s.add(request(name, 8, 8))  # two full blocks each; the CPU pool holds one block
+    victims = []
+    run(s, 3, lambda out: victims.extend(out.preempted))
+    victim = victims[0]
+    assert victim in s.waiting and all(q.status is SequenceStatus.WAITING for q in victim.seqs)
+    assert not s.swapped
+    check(6, 4, "recomputed")
+
+
+# Stage 7 ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stage7_llm():
+    from minipaged.stage7_engine import LLM
+
+    return LLM(model="tiny", num_gpu_blocks=64, seed=0)
+
+
+def test_stage7_kv_bytes_of_the_tiny_model(stage7_llm):
+    c = stage7_llm.config
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+    assert per_token == c.kv_bytes_per_token(torch.float32)
+    check(7, 0, c.num_layers, c.num_kv_heads, c.head_dim, f"{per_token:,}")
+
+
+def test_stage7_steps_of_one_request(stage7_llm):
+    before = dict(stage7_llm.stats)
+    stage7_llm.generate([{"prompt_token_ids": list(range(5, 15))}],
+                        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    after = stage7_llm.stats
+    check(7, 1, after["steps"] - before["steps"], after["prefill_tokens"] - before["prefill_tokens"],
+          after["decode_tokens"] - before["decode_tokens"])
+
+
+def test_stage7_n_samples_prefill_n_times(stage7_llm):
+    before = dict(stage7_llm.stats)
+    stage7_llm.generate([{"prompt_token_ids": list(range(5, 25))}],
+                        SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True), use_tqdm=False)
+    check(7, 2, stage7_llm.stats["prefill_tokens"] - before["prefill_tokens"])
+
+
+def test_stage7_worst_case_blocks_of_a_request():
+    manager = BlockSpaceManager(BlockAllocator(8), block_size=16)
+    check(7, 3, manager.blocks_needed(40 + 30))
+
+
+# Stage 8 ------------------------------------------------------------------------------------
+
+
+def test_stage8_shared_samples_hold_fewer_blocks():
+    from minipaged import LLM
+    from minipaged.stage7_engine import LLM as UnsharedLLM
+
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(5, 45))}]  # 40 tokens
+    shared = LLM(model="tiny", num_gpu_blocks=64)
+    shared.generate(prompt, params, use_tqdm=False)
+    unshared = UnsharedLLM(model="tiny", num_gpu_blocks=64)
+    unshared.generate(prompt, params, use_tqdm=False)
+    check(8, 0, shared.stats["peak_blocks_used"], unshared.stats["peak_blocks_used"],
+          shared.stats["prefill_tokens"], unshared.stats["prefill_tokens"])
+
+
+# Stage 9 ------------------------------------------------------------------------------------
+
+
+def cached_manager(*prompts: list[int]) -> PrefixCachingBlockSpaceManager:
+    """A manager whose cache holds the full blocks of ``prompts`` (each prefilled, then freed)."""
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(32), block_size=16)
+    for i, prompt in enumerate(prompts):
+        manager.allocate(("old", i), prompt)
+        manager.append_slot(("old", i))  # the step that computed the prompt succeeded
+        manager.free(("old", i))
+    return manager
+
+
+def test_stage9_a_shared_system_prompt_is_reused_block_by_block():
+    system = list(range(100, 150))  # 50 tokens
+    manager = cached_manager(system + list(range(10)))
+    check(9, 0, manager.allocate("new", system + list(range(20, 30))))
+
+
+def test_stage9_the_last_token_is_always_computed():
+    prompt = list(range(200, 232))  # 32 tokens
+    manager = cached_manager(prompt)
+    check(9, 1, manager.allocate("again", prompt))
+
+
+def test_stage9_a_block_is_named_by_its_whole_prefix():
+    first, second = list(range(300, 316)), list(range(400, 416))
+    manager = cached_manager(first + second + [7])
+    check(9, 2, manager.allocate("other", list(range(500, 516)) + second + [7]))
+
+
+def test_stage9_a_finished_request_is_evicted_tail_first():
+    manager = cached_manager()
+    manager.allocate("r", list(range(48)) + [1])  # 3 full blocks, and the last token in a 4th
+    manager.append_slot("r")  # the prompt was computed: its 3 full blocks are cached
+    table = manager.get_block_table("r")
+    manager.free("r")  # last block first: the 4th (never cached) to the pool, then 3, 2, 1 to the evictor
+    pool = manager.allocator
+    pool.allocate(pool.num_total_blocks - 3)  # every block that holds nothing cached
+    (evicted,) = pool.allocate(1)
+    check(9, 3, table.index(evicted) + 1)
