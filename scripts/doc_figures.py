@@ -310,7 +310,7 @@ def paged_memory():
     ax.text(x + 10, 0.5, "too small for\na 4th slab", ha="center", va="center", fontsize=8, color="#555555")
     held = sum(t for t, _ in requests.values())
     ax.set_title(f"contiguous: one slab of max_model_len per request; {held} of {x} reserved slots hold "
-                 "K/V (pale: reserved, never used)", fontsize=9)
+                 "K/V (pale: reserved, no K/V yet)", fontsize=9)
     ax.set_xlim(0, x + 20)
     ax.set_ylim(0, 1)
     ax.axis("off")

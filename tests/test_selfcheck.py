@@ -134,6 +134,24 @@ def test_stage0_kv_memory_per_token():
     check(0, 1, kib(llama3_8b), f"{2048 * llama3_8b // 2**20:,}")
 
 
+def test_references_correct_the_seed_articles_kv_size_with_the_computed_one():
+    text = (STAGES.parent / "references.md").read_text(encoding="utf-8")
+    section = text[text.index("{ #seed-article }"):text.index("\n## ", text.index("{ #seed-article }"))]
+    per_token = kv_bytes_per_token(40, 40, 128, torch.float16)  # OPT-13B
+    assert f"= {per_token:,} bytes = {kib(per_token)} KiB" in section
+    assert f"{1000 * per_token / 1e6:.1f} MB ({1000 * per_token / 2**20:.0f} MiB)" in section
+    assert "208 KB" in section  # the figure it corrects
+
+
+def test_home_page_reads_its_figure_right():
+    """The home page's paragraph under the contiguous/paged figure gives the figure's numbers."""
+    svg = (STAGES.parent / "figures" / "paged_memory.svg").read_text(encoding="utf-8")
+    held, reserved = map(int, re.search(r"(\d+) of (\d+) reserved slots hold K/V", svg).groups())
+    assert "pale: reserved, no K/V yet" in svg  # not "never used": some of it will be
+    home = (STAGES.parent / "index.md").read_text(encoding="utf-8")
+    assert f"only {held} of the {reserved} reserved slots hold K/V" in home
+
+
 def test_stage0_max_policy_admits_a_fixed_number_of_requests():
     cache = ContiguousKVCache(16384, 2048, "max", num_layers=0)
     admitted = 0
@@ -381,6 +399,8 @@ def test_stage6_a_new_prompt_joins_the_decodes_in_one_step():
     run(s, 1)
     s.add(request("B", 20, 50))
     out = s.schedule()
+    assert [(g.request_id, n) for (_, n), g in zip(out.scheduled, out.scheduled_groups, strict=True)] == [
+        ("A", 1), ("B", 20)]  # the running decode first, then the new prompt, in one step
     check(6, 1, sum(n for _, n in out.scheduled), len(out.scheduled))
 
 
