@@ -23,7 +23,7 @@ def plot_arena(cache: ContiguousKVCache, next_reservation: int | None = None, ax
     from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 1.4))
+        _, ax = plt.subplots(figsize=(7, 1.4), layout="constrained")
     for slab in cache.slabs.values():
         used = max(slab.need, slab.num_tokens)
         parts = [("token", slab.num_tokens), ("reserved", used - slab.num_tokens),
@@ -54,7 +54,7 @@ def plot_usage(results: list[SimulationResult], ax=None, labels=None):
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5))
+        _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
     labels = labels or [r.policy for r in results]
     bottom = [0.0] * len(results)
     for kind in KINDS:
@@ -92,7 +92,7 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-    label_box = {"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none"}
+    label_box = {"boxstyle": "round,pad=0.18", "facecolor": "white", "edgecolor": "none"}
     red, blue, shared_face = "#d62728", "#08519c", "#bdbdbd"
     hatching = {"hatch": "//", "hatchcolor": "#8c8c8c", "hatch_linewidth": 0.6}  # light: the ids stay legible
     allocator, block_size = manager.allocator, manager.block_size
@@ -117,7 +117,7 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
     counted = hashed or any(refs(b) > 1 for b in range(num_blocks))
     width = max(num_blocks, *(len(manager.block_tables[s].block_ids) for s in rows.values()))
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.9 + (0.5 if copies else 0)))
+        _, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.9 + (0.5 if copies else 0)), layout="constrained")
     bottom = -1.7
     for row, label in enumerate(labels):
         y = len(labels) - 1 - row
@@ -196,7 +196,7 @@ def plot_block_owners(history, ax=None, title=None):
     palette = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
                "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f"]
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.16 * num_blocks + 1.0))
+        _, ax = plt.subplots(figsize=(7, 0.16 * num_blocks + 1.0), layout="constrained")
     shown = np.ma.masked_less(grid, 0) % len(palette)
     ax.imshow(shown, cmap=ListedColormap(palette), vmin=0, vmax=len(palette) - 1, aspect="auto",
               interpolation="nearest", extent=(-0.5, num_steps - 0.5, num_blocks - 0.5, -0.5))
@@ -238,7 +238,7 @@ def plot_gather(block_table, seq_len: int, block_size: int, num_blocks: int, ax=
     left = (width - shown) / 2  # the logical row, centred under the cache
     top = 3.2  # the cache's row
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3))
+        _, ax = plt.subplots(figsize=(7, 3), layout="constrained")
     for block_id in range(num_blocks):  # the physical cache, slot by slot
         for face, edge, z in (("#eeeeee", "none", 0), ("none", "black", 2)):
             ax.add_patch(Rectangle((block_id * block_size, top), block_size, 1, facecolor=face,
@@ -284,7 +284,7 @@ def plot_batched_gather(block_tables, seq_lens, block_size: int, ax=None, title=
     lens = [int(n) for n in seq_lens]
     width = -(-max(lens) // block_size)
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.5 * len(lens) + 1.0))
+        _, ax = plt.subplots(figsize=(7, 0.5 * len(lens) + 1.0), layout="constrained")
     for i, n in enumerate(lens):
         y = len(lens) - 1 - i
         color = SEQ_COLORS[i % len(SEQ_COLORS)]
@@ -323,7 +323,7 @@ def plot_online_softmax(scores, tile: int, running_max, alpha, outputs, exact, a
     starts = [k * tile for k in range(tiles)]
     ends = [min(s + tile, n) for s in starts]
     if axes is None:
-        _, axes = plt.subplots(3, 1, figsize=(7, 6), sharex=True, gridspec_kw=dict(hspace=0.45))
+        _, axes = plt.subplots(3, 1, figsize=(7, 6), sharex=True, layout="constrained")
     ax = axes[0]
     ax.plot(range(n), scores, lw=0.6, color="#aaaaaa", label="scores $s_j$")
     ax.step(starts + [n], list(running_max) + [running_max[-1]], where="post", color="#d95f02", lw=2,
@@ -363,7 +363,7 @@ def plot_split_kv(seq_len: int, partition_size: int, tile: int, ax=None):
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 2.6))
+        _, ax = plt.subplots(figsize=(7, 2.6), layout="constrained")
     parts = -(-seq_len // partition_size)
     for p in range(parts):
         start, end = p * partition_size, min((p + 1) * partition_size, seq_len)
@@ -411,7 +411,7 @@ def plot_prefill_tiles(context: int, q_len: int, block_m: int, block_n: int, ax=
     grid = np.where(~loaded, 0, np.where((pos <= context + rows) & (pos < seq_len), 2, 1))
     colors = ["#e0e0e0", "#fdd0a2", "#3182bd"]
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.3))
+        _, ax = plt.subplots(figsize=(7, 4.3), layout="constrained")
     ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=2, aspect="auto", interpolation="nearest",
               extent=(0, cols, q_len, 0))
     for x in range(block_n, cols, block_n):
@@ -459,7 +459,7 @@ def plot_schedule(history: list[dict], labels: dict | None = None, ax=None, titl
         for row, seq_id in enumerate(seq_ids):
             grid[row, t] = order.index(step.get(seq_id, "waiting" if t == 0 else "finished"))
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.3 * len(seq_ids) + 1.2))
+        _, ax = plt.subplots(figsize=(7, 0.3 * len(seq_ids) + 1.2), layout="constrained")
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(STATUS_COLORS.values())),
               vmin=0, vmax=len(order) - 1)
     running = order.index("running")
@@ -492,9 +492,10 @@ def plot_engine_steps(records: list[dict], num_blocks: int, title=None):
     steps = np.arange(1, len(records) + 1)
     column = {key: np.array([r[key] for r in records]) for key in records[0]}
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(7, 5.2), sharex=True, height_ratios=[1.3, 1, 1])
-    ax1.bar(steps, column["decode"], width=1.0, color=COLORS["token"], label="decode tokens (1 per sequence)")
-    ax1.bar(steps, column["prefill"], width=1.0, bottom=column["decode"], color="#fd8d3c",
-            label="prefill tokens (whole prompts)")
+    ax1.bar(steps, column["decode"], width=1.0, color=COLORS["token"], edgecolor=COLORS["token"], lw=0.4,
+            label="decode tokens (1 per sequence)")  # edges the colour of the bars: no seams between them
+    ax1.bar(steps, column["prefill"], width=1.0, bottom=column["decode"], color="#fd8d3c", edgecolor="#fd8d3c",
+            lw=0.4, label="prefill tokens (whole prompts)")
     ax1.set_ylabel("tokens\nin the step")
     ax1.legend(loc="upper right", frameon=False, fontsize=9)
     bottom = np.zeros(len(records))
