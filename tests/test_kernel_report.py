@@ -1,0 +1,99 @@
+"""Stage 5's kernels compiled for A100 (sm_80) and H100 (sm_90) on this CPU: no spills,
+vectorised K/V loads, and the report's readings checked against what they claim."""
+
+import pytest
+
+from minipaged import kernel_report as kr
+
+pytestmark = pytest.mark.tooling
+
+KERNELS = {"_decode_v1_kernel", "_decode_v2_partial_kernel", "_decode_v2_reduce_kernel", "_prefill_kernel"}
+TILE_LOADERS = KERNELS - {"_decode_v2_reduce_kernel"}  # the kernels that read K/V through the blocks
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return kr.report(targets=("sm_80", "sm_90"), dtypes=("bf16",), head_dims=(128, 80), groups=(8,),
+                     block_sizes=(16,), processes=2)
+
+
+@pytest.fixture(scope="module")
+def rows_without_divisibility():
+    return kr.report(divisibility=False, targets=("sm_90",), dtypes=("bf16",), head_dims=(128,), groups=(8,),
+                     block_sizes=(16,), processes=2)
+
+
+def test_every_kernel_compiles_for_both_targets(rows):
+    assert {(r.kernel, r.target) for r in rows} == {(k, t) for k in KERNELS for t in ("sm_80", "sm_90")}
+    assert all(0 < r.registers <= 255 for r in rows)
+
+
+def test_no_kernel_spills(rows):
+    assert [kr.format_row(r) for r in rows if r.spill_bytes] == []
+
+
+def test_kv_tiles_arrive_by_cp_async_or_128_bit_loads(rows):
+    for r in rows:
+        if r.kernel in TILE_LOADERS:
+            assert r.cp_async > 0 or r.vector_loads > 0, kr.format_row(r)
+            assert r.scalar_16bit_loads == 0, kr.format_row(r)
+
+
+def test_every_kernel_fits_two_programs_per_sm(rows):
+    assert all(r.fits for r in rows), [kr.format_row(r) for r in rows if not r.fits]
+
+
+def test_without_divisibility_the_tiles_are_loaded_element_by_element(rows, rows_without_divisibility):
+    """The lesson the report exists for: the JIT's multiple-of-16 knowledge is what vectorises."""
+    with_div = {r.kernel: r for r in rows if r.target == "sm_90" and r.head_dim == 128}
+    for r in rows_without_divisibility:
+        if r.kernel in TILE_LOADERS:
+            assert r.cp_async == 0 and r.scalar_16bit_loads > 0, kr.format_row(r)
+            assert r.registers >= with_div[r.kernel].registers
+
+
+@pytest.mark.parametrize("head_dim, group, block_size", [(80, 7, 1), (128, 8, 16), (256, 1, 32)])
+def test_launches_are_the_launchers_own(head_dim, group, block_size):
+    launches = {launch.kernel: launch for launch in kr.launches(head_dim, group, block_size)}
+    assert set(launches) == KERNELS
+    d_pad = max(16, 1 << (head_dim - 1).bit_length())
+    for name in KERNELS:
+        consts = launches[name].constexprs
+        assert consts["HEAD_DIM"] == head_dim and consts["D_PAD"] == d_pad
+    v1 = launches["_decode_v1_kernel"]
+    assert v1.constexprs["GROUP"] == group and v1.constexprs["GROUP_PAD"] >= 16
+    assert v1.signature["key_cache"] == "*bf16" and v1.signature["block_tables"] == "*i32"
+    assert {"key_cache", "value_cache", "s_kb", "s_ks", "s_kh"} <= set(v1.divisible)
+    if block_size == 1:  # the JIT folds an integer equal to 1 into the kernel
+        assert v1.constexprs["block_size"] == 1
+    else:
+        assert ("block_size" in v1.divisible) == (block_size % 16 == 0)
+
+
+def test_programs_per_sm_counts_registers_and_shared_memory():
+    assert kr.programs_per_sm(90, registers=128, shared=0) == 4  # 65,536 / (128 x 128 threads)
+    assert kr.programs_per_sm(80, registers=32, shared=100 * 1024) == 1  # 163 KiB holds one
+    assert kr.programs_per_sm(90, registers=32, shared=100 * 1024) == 2  # 227 KiB holds two
+
+
+def _row(**changes):
+    row = dict(kernel="_decode_v1_kernel", target="sm_90", dtype="bf16", head_dim=128, group=8, block_size=16,
+               registers=120, spill_bytes=0, shared_bytes=38 * 1024, cp_async=35, vector_loads=2,
+               scalar_16bit_loads=0, programs_per_sm=4)
+    return kr.KernelReport(**(row | changes))
+
+
+def test_the_command_fails_on_a_spill_or_a_compile_error(monkeypatch):
+    lines = []
+    monkeypatch.setattr(kr, "report", lambda **kw: [_row()])
+    assert kr.main(["sm_90"], ["bf16"], print_fn=lines.append) == 0
+    monkeypatch.setattr(kr, "report", lambda **kw: [_row(), _row(spill_bytes=8)])
+    assert kr.main(["sm_90"], ["bf16"], print_fn=lines.append) == 1
+
+    def broken(**kw):
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(kr, "report", broken)
+    assert kr.main(["sm_90"], ["bf16"], print_fn=lines.append) == 1
+    with pytest.raises(ValueError):
+        kr.main(["sm_75"], ["bf16"], print_fn=lines.append)
