@@ -138,8 +138,8 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
                         zorder=0.5)
     longest = max((len(manager.block_tables[s].block_ids) for s in rows.values()), default=0)
     for j in range(longest):
-        ax.text(j + 0.45, len(labels) - 0.1, str(j), ha="center", va="bottom", fontsize=8, color="#666666")
-    ax.text(-0.3, len(labels) - 0.1, "logical block", ha="right", va="bottom", fontsize=8, color="#666666")
+        ax.text(j + 0.45, len(labels) - 0.1, str(j), ha="center", va="bottom", fontsize=9, color="#666666")
+    ax.text(-0.3, len(labels) - 0.1, "logical block", ha="right", va="bottom", fontsize=9, color="#666666")
     for block_id in range(num_blocks):
         owners = holders.get(block_id, [])
         free = allocator.is_free(block_id)
@@ -300,8 +300,8 @@ def plot_batched_gather(block_tables, seq_lens, block_size: int, ax=None, title=
                     bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.8))
         ax.text(-0.3, y + 0.4, f"seq {i}, {n} tokens", ha="right", va="center", fontsize=9)
     for t in range(width * block_size):
-        ax.text(t + 0.5, len(lens) - 0.05, str(t), ha="center", va="bottom", fontsize=8, color="#555555")
-    ax.text(-0.3, len(lens) + 0.05, "position", ha="right", va="bottom", fontsize=8, color="#555555")
+        ax.text(t + 0.5, len(lens) - 0.05, str(t), ha="center", va="bottom", fontsize=9, color="#555555")
+    ax.text(-0.3, len(lens) + 0.05, "position", ha="right", va="bottom", fontsize=9, color="#555555")
     ax.set_xlim(-4.5, width * block_size + 0.2)
     ax.set_ylim(-0.1, len(lens) + 0.5)
     ax.axis("off")
