@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,10 @@ def _mutants(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from minipaged.serving import serve
 
-    serve(args.model, args.host, args.port, args.max_waiting, block_size=args.block_size,
+    serve(args.model, args.host, args.port, args.max_waiting, api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
+          shutdown_timeout=args.shutdown_timeout, max_logprobs=args.max_logprobs,
+          max_body_bytes=args.max_request_body_bytes, read_timeout=args.request_read_timeout,
+          served_model_name=args.served_model_name, block_size=args.block_size,
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching)
@@ -162,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the model argument)")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may go on before they are aborted")
+    p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs a request may ask for")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20, help="larger bodies get HTTP 413")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its whole body (else HTTP 408)")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")

@@ -1,17 +1,13 @@
 """The OpenAI-compatible server, over HTTP, with the openai client: the same tokens as LLM.generate."""
 
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from helpers_serving import ThreadServer, metric, metric_samples, sse_events
 
 from minipaged import LLM, SamplingParams
 
@@ -20,46 +16,16 @@ pytestmark = pytest.mark.serving
 BLOCKS = 96
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*args):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port),
-                                "--num-gpu-blocks", str(BLOCKS), "--max-model-len", "256", *args],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server stopped: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the server did not start within 120 s")
-
-
-def stop_server(process):
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
+@pytest.fixture(scope="module")
+def served():
+    server = ThreadServer(LLM("tiny", num_gpu_blocks=BLOCKS, max_model_len=256))
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module")
-def server():
-    process, url = start_server()
-    yield url
-    stop_server(process)
+def server(served):
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +33,14 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
 
 
-def metrics(url) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+def wait_idle(served, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{served.url}/state").json()
+        if not state["running"] and not state["waiting"] and state["free_blocks"] == state["num_blocks"]:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not go idle: {state}")
 
 
 def test_completions_equal_llm_generate_for_the_same_seed(client):
@@ -96,7 +67,7 @@ def test_streaming_sends_the_same_text_piece_by_piece(client):
     assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
 
 
-def test_stop_strings_logprobs_and_vllm_fields(client):
+def test_stop_strings_cut_the_text_and_finish_with_stop(client):
     whole = client.completions.create(model="tiny", prompt="Return the number of", max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     text = whole.choices[0].text
@@ -104,62 +75,86 @@ def test_stop_strings_logprobs_and_vllm_fields(client):
     cut = client.completions.create(model="tiny", prompt="Return the number of", max_tokens=12, temperature=0,
                                     stop=[stop], logprobs=2, extra_body={"ignore_eos": True, "top_k": 5})
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].logprobs is not None
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    assert len(cut.choices[0].logprobs.tokens) == cut.usage.completion_tokens < 12
+    kept = client.completions.create(model="tiny", prompt="Return the number of", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
 
 
 def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, client):
     for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"n": 0}, {"prompt": [1, 99999]},
                 {"prompt": "a " * 300, "max_tokens": 20},  # over max_model_len
+                {"prompt": []}, {"logprobs": 21},  # vLLM's --max-logprobs default is 20
                 {"n": 200, "max_tokens": 16}):  # 200 sequences can never fit 96 blocks: refused, not queued
         body = {"model": "tiny", "prompt": "hello", **bad}
         response = httpx.post(f"{server}/v1/completions", json=body)
         assert response.status_code == 400, bad
-        assert response.json()["error"]["type"] == "invalid_request_error"
+        error = response.json()["error"]
+        assert error["type"] == "BadRequestError" and error["code"] == 400
     malformed = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert malformed.status_code == 400
+    assert malformed.status_code == 400 and set(malformed.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="hello", max_tokens=0)
     assert client.completions.create(model="tiny", prompt="hello", max_tokens=2).choices[0].text is not None
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
-    before = metrics(server)
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
+    server = served.url
+    before = metric_samples(server)
     body = {"model": "tiny", "prompt": "Return the number of", "max_tokens": 240, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
                 json.loads(line[5:])
                 break  # one chunk, then the client goes away
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if m["minipaged_requests_running"] == 0 and m["minipaged_kv_blocks_used"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["minipaged_requests_running"] == 0 and m["minipaged_kv_blocks_used"] == 0
-    # aborted, not run to its end: it never finished, and its 240 tokens were never served
-    assert m["minipaged_requests_finished_total"] == before["minipaged_requests_finished_total"]
-    assert m["minipaged_generation_tokens_total"] == before["minipaged_generation_tokens_total"]
+    wait_idle(served)
+    m = metric_samples(server)
+    # aborted, not run to its end: counted as an abort, and far fewer than 240 tokens were generated
+    assert metric(m, "minipaged:request_success_total", finished_reason="abort") == \
+        metric(before, "minipaged:request_success_total", finished_reason="abort") + 1
+    assert metric(m, "minipaged:request_success_total", finished_reason="length") == \
+        metric(before, "minipaged:request_success_total", finished_reason="length")
+    assert metric(m, "minipaged:generation_tokens_total") - metric(before, "minipaged:generation_tokens_total") < 240
 
 
 def test_models_health_metrics_state_and_the_live_page(server):
-    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == "tiny"
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
-    m = metrics(server)
-    assert m["minipaged_kv_blocks_total"] == BLOCKS and "minipaged_preemptions_total" in m
+    model = httpx.get(f"{server}/v1/models").json()["data"][0]
+    assert model["id"] == "tiny" and model["max_model_len"] == 256 and model["created"] <= time.time()
+    assert httpx.get(f"{server}/health").status_code == 200
+    m = metric_samples(server)
+    assert metric(m, "minipaged:kv_cache_blocks_total") == BLOCKS
     state = httpx.get(f"{server}/state").json()
     assert state["num_blocks"] == BLOCKS and set(state) >= {"running", "waiting", "swapped", "blocks", "shared"}
     assert "/state" in httpx.get(f"{server}/").text
 
 
-def test_a_full_waiting_queue_answers_503_and_shutdown_is_clean():
-    process, url = start_server("--max-waiting", "0")
+def test_a_full_waiting_queue_answers_503():
+    server = ThreadServer(max_waiting=0)
     try:
-        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
-        assert response.status_code == 503 and response.json()["error"]["type"] == "server_overloaded"
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 503 and response.json()["error"]["code"] == 503
     finally:
-        stop_server(process)
-    assert process.returncode == 0
+        server.close()
+
+
+def test_several_prompts_in_one_request_give_n_choices_each_in_order(server):
+    llm = LLM("tiny", num_gpu_blocks=BLOCKS, max_model_len=256)
+    prompts = ["Return the number of", "Create a new"]
+    params = SamplingParams(n=2, max_tokens=6, seed=3)
+    want = [o.text for out in llm.generate(prompts, params, use_tqdm=False) for o in out.outputs]
+    for prompt in (prompts, [llm.tokenizer.encode(p).ids for p in prompts]):
+        body = {"prompt": prompt, "n": 2, "max_tokens": 6, "seed": 3}
+        got = httpx.post(f"{server}/v1/completions", json=body).json()
+        assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in got["choices"]] == want
+        with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}) as response:
+            events = sse_events(response)
+        streamed = [""] * 4
+        for event in events[:-1]:
+            for c in event["choices"]:
+                streamed[c["index"]] += c["text"]
+        assert streamed == want and events[-1] == "[DONE]"
 
 
 @pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
