@@ -282,3 +282,42 @@ def main(targets: list[str], dtypes: list[str], quick: bool = False, json_path: 
     print_fn(f"{len(rows)} kernel launches compiled ({distinct} distinct) for {', '.join(targets)}: "
              f"{len(spilled)} spill, max {max(r.registers for r in rows)} registers")
     return 1 if spilled else 0
+
+
+# The decode roofline: the least time a decode step's attention can take on a GPU.
+# Decode reads every context token's K and V once per KV head and does little arithmetic
+# with it, so its bound is the bytes it must move over the memory bandwidth.
+GPUS = {  # peak HBM bandwidth (GB/s) and streaming multiprocessors, from the vendors' data sheets
+    "A100-40GB": (1555, 108), "A100-80GB": (2039, 108), "H100 SXM": (3350, 132), "H200": (4800, 132)}
+
+
+def decode_bytes(batch: int, context: int, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
+                 block_size: int = 16, dtype_bytes: int = 2) -> int:
+    """Bytes one layer's decode attention must move: K/V of every context token once per KV
+    head, the queries in, the outputs out, the block tables and sequence lengths."""
+    kv = 2 * batch * context * num_kv_heads * head_dim * dtype_bytes
+    queries_and_outputs = 2 * batch * num_heads * head_dim * dtype_bytes
+    tables = batch * -(-context // block_size) * 4 + batch * 4  # int32 block ids and seq_lens
+    return kv + queries_and_outputs + tables
+
+
+def decode_bound_us(gpu: str, **shape) -> float:
+    """The fastest one layer's decode attention could possibly run on ``gpu``: a bound, not a time."""
+    return decode_bytes(**shape) / (GPUS[gpu][0] * 1e9) * 1e6
+
+
+def decode_programs(batch: int, context: int, num_kv_heads: int = 8, version: str = "v1",
+                    partition_size: int = 512) -> int:
+    """Programs stage 5 launches for a decode step: one per (sequence, KV head) for v1, and
+    one per (sequence, KV head, partition of the context) for v2's first kernel."""
+    parts = 1 if version == "v1" else -(-context // partition_size)
+    return batch * num_kv_heads * parts
+
+
+def padding_waste(group: int, head_dim: int) -> tuple[float, float]:
+    """Fractions of the query rows and head-dim lanes a program computes on and throws away:
+    ``GROUP_PAD`` rounds the group up to 16 rows for ``tl.dot``, ``D_PAD`` the head dim up to
+    a power of two. Masked lanes cost instructions and registers, not DRAM bytes."""
+    group_pad = max(16, 1 << (group - 1).bit_length())
+    d_pad = max(16, 1 << (head_dim - 1).bit_length())
+    return 1 - group / group_pad, 1 - head_dim / d_pad

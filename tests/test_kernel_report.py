@@ -97,3 +97,31 @@ def test_the_command_fails_on_a_spill_or_a_compile_error(monkeypatch):
     assert kr.main(["sm_90"], ["bf16"], print_fn=lines.append) == 1
     with pytest.raises(ValueError):
         kr.main(["sm_75"], ["bf16"], print_fn=lines.append)
+
+
+def test_decode_bytes_counts_kv_once_per_kv_head_plus_queries_outputs_and_tables():
+    # batch 2, context 20, 4 query heads on 2 KV heads, head dim 8, block 16, 2-byte elements
+    kv = 2 * 2 * 20 * 2 * 8 * 2  # K and V, every token, every KV head
+    q_and_out = 2 * 2 * 4 * 8 * 2
+    tables = 2 * 2 * 4 + 2 * 4  # two int32 block ids per sequence, one int32 length
+    got = kr.decode_bytes(2, 20, num_heads=4, num_kv_heads=2, head_dim=8, block_size=16, dtype_bytes=2)
+    assert got == kv + q_and_out + tables
+
+
+def test_the_bound_is_bytes_over_peak_bandwidth():
+    shape = dict(batch=64, context=4096)
+    assert kr.decode_bound_us("H200", **shape) == pytest.approx(kr.decode_bytes(**shape) / 4800e9 * 1e6)
+    assert kr.decode_bound_us("A100-40GB", **shape) / kr.decode_bound_us("H200", **shape) == \
+        pytest.approx(4800 / 1555)
+
+
+def test_split_kv_gives_a_single_long_sequence_programs_for_every_sm():
+    assert kr.decode_programs(1, 32768, version="v1") == 8  # 8 KV heads: 8 of 132 SMs busy
+    assert kr.decode_programs(1, 32768, version="v2") == 8 * 64  # 64 partitions of 512 tokens
+    assert kr.decode_programs(1, 32768, version="v2") / kr.GPUS["H100 SXM"][1] > 3
+
+
+def test_padding_waste_of_group_and_head_dim():
+    assert kr.padding_waste(8, 128) == (0.5, 0.0)  # 8 query heads in 16 rows
+    assert kr.padding_waste(1, 128) == (15 / 16, 0.0)
+    assert kr.padding_waste(7, 80) == (9 / 16, 0.375)  # head dim 80 in 128 lanes
