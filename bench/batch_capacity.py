@@ -54,11 +54,35 @@ def mean_batch_contiguous(requests, policy: str, slots: int) -> float:
     return simulate_contiguous(requests, policy, slots, MAX_LEN).mean_batch
 
 
+def plot(data: dict, path: Path) -> None:
+    """Requests running at once against the arrival rate, one panel per trace, from the saved results."""
+    results = data["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(7.2, 3.4), layout="constrained")
+    for ax, name in zip(axes, TRACES, strict=True):
+        rates = sorted((key.split("/", 1)[1] for key in results if key.startswith(f"{name}/")), key=float)
+        for kind in ("max", "pow2", "oracle", "paged"):
+            ax.plot([float(r) for r in rates], [results[f"{name}/{r}"][kind] for r in rates], "o-", ms=4,
+                    label=kind if kind == "paged" else f"contiguous, {kind}")
+        ax.set_title(f"{name}-like (arrivals ×{SCALE[name]})", fontsize=11)
+        ax.set_xlabel("arrivals per step", fontsize=10)
+        ax.tick_params(labelsize=9.5)
+    axes[0].set_ylabel("requests running at once", fontsize=10)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9.5,
+               frameon=False)
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and rates")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the saved results (bench/results/batch_capacity.json)")
     args = parser.parse_args()
     results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    if args.plot_only:
+        plot(json.loads((results_dir / "batch_capacity.json").read_text()), results_dir / "batch_capacity.png")
+        return
     rates = [0.05, 0.2] if args.quick else [0.01, 0.02, 0.05, 0.1, 0.2]
     results = {}
     for name in TRACES:
@@ -72,16 +96,7 @@ def main() -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "batch_capacity.json").write_text(json.dumps({"slots": OPT_13B_SLOTS, "results": results,
                                                              "paper_sharegpt_2rps": PAPER_SHAREGPT_2RPS}, indent=2))
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, name in zip(axes, TRACES, strict=True):
-        for kind in ("max", "pow2", "oracle", "paged"):
-            ax.plot(rates, [results[f"{name}/{r}"][kind] for r in rates], "o-", label=kind)
-        ax.set_title(f"{name} (arrivals x{SCALE[name]})")
-        ax.set_xlabel("arrivals per step")
-    axes[0].set_ylabel("requests running at once")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(results_dir / "batch_capacity.png", dpi=120)
+    plot(json.loads((results_dir / "batch_capacity.json").read_text()), results_dir / "batch_capacity.png")
     top = results[f"ShareGPT/{rates[-1]}"]
     print("ShareGPT, saturated: " + ", ".join(f"{k} {v:.2f}" for k, v in top.items())
           + "  (paper at 2 req/s: " + ", ".join(f"{k} {v}" for k, v in PAPER_SHAREGPT_2RPS.items()) + ")")

@@ -80,11 +80,35 @@ def beam_saving(requests, width) -> float:
     return 1 - shared / unshared
 
 
+def plot(data: dict, path: Path) -> None:
+    """Memory saved by sharing against n or the beam width, one panel per trace, from the saved results."""
+    results = data["saving"]
+    fig, axes = plt.subplots(1, 2, figsize=(7.2, 3.2), sharey=True, layout="constrained")
+    for ax, trace in zip(axes, TRACES, strict=True):
+        for kind, color, label in (("parallel", "#1b9e77", "parallel sampling"), ("beam", "#7570b3", "beam search")):
+            ax.plot([2, 4, 6], [100 * results[f"{trace}/{kind}/{k}"] for k in (2, 4, 6)], "o-", ms=4, color=color,
+                    label=label)
+        ax.set_title(f"{trace}-like", fontsize=11)
+        ax.set_xlabel("n (parallel) or beam width", fontsize=10)
+        ax.set_xticks([2, 4, 6])
+        ax.tick_params(labelsize=9.5)
+    axes[0].set_ylabel("KV memory saved (%)", fontsize=10)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=9.5,
+               frameon=False)
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the saved results (bench/results/sharing.json)")
     args = parser.parse_args()
     results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    if args.plot_only:
+        plot(json.loads((results_dir / "sharing.json").read_text()), results_dir / "sharing.png")
+        return
     results = {}
     for trace, (prompt_mean, output_mean) in TRACES.items():
         requests = synthetic_requests(4 if args.quick else 12, mean_prompt=prompt_mean,
@@ -96,16 +120,7 @@ def main() -> None:
                   f"beam search {100 * results[f'{trace}/beam/{k}']:5.1f}%")
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "sharing.json").write_text(json.dumps({"saving": results, "paper": {f"{a}/{b}": v for (a, b), v in PAPER.items()}}, indent=2))
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3), sharey=True)
-    for ax, trace in zip(axes, TRACES, strict=True):
-        for kind, color in (("parallel", "#1b9e77"), ("beam", "#7570b3")):
-            ax.plot([2, 4, 6], [100 * results[f"{trace}/{kind}/{k}"] for k in (2, 4, 6)], "o-", color=color, label=kind)
-        ax.set_title(trace)
-        ax.set_xlabel("n (parallel) or beam width")
-    axes[0].set_ylabel("KV memory saved (%)")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(results_dir / "sharing.png", dpi=120)
+    plot(json.loads((results_dir / "sharing.json").read_text()), results_dir / "sharing.png")
     print("memory saved by sharing, ours (paper): " + "; ".join(
         f"{t} {kind} {100 * min(results[f'{t}/{kind}/{k}'] for k in (2, 4, 6)):.1f}-"
         f"{100 * max(results[f'{t}/{kind}/{k}'] for k in (2, 4, 6)):.1f}% ({PAPER[(t, kind)]})"
