@@ -6,7 +6,9 @@ it is written in bold, and this file computes it with the project's public API: 
 bold spans of the answer must be exactly what the code gives, in order. A page that
 drifts from the code, or code that changes what the page promised, fails here. A
 translated page (``N_topic.zh.md``) that carries the self-check is held to the same
-numbers.
+numbers. The worked examples in the pages' text (stage 2's memory table, the shared system
+prompts of stages 3 and 9, stage 8's sampling table, the home page's figure, the KV size of
+OPT-13B in the references) are computed here too.
 """
 
 from __future__ import annotations
@@ -537,3 +539,68 @@ def test_stage9_a_finished_request_is_evicted_tail_first():
     pool.allocate(pool.num_total_blocks - 3)  # every block that holds nothing cached
     (evicted,) = pool.allocate(1)
     check(9, 3, table.index(evicted) + 1)
+
+
+# The worked examples in the pages' text ---------------------------------------------------------
+
+
+def test_stage0_text_opt13b_arithmetic():
+    per_token = kv_bytes_per_token(40, 40, 128, torch.float16)
+    text = PAGES[0].read_text(encoding="utf-8")
+    assert f"= {per_token:,} bytes = {kib(per_token)} KiB per token" in text
+    assert f"2048 tokens needs {2048 * per_token // 2**20:,} MiB" in text
+
+
+def test_stage3_text_shared_system_prompt():
+    blocks = {}
+    for shared in (False, True):
+        manager = CowBlockSpaceManager(RefCountedBlockAllocator(512), block_size=16)
+        prompt = list(range(200))
+        manager.allocate(0, prompt)
+        for seq in range(1, 16):
+            manager.fork(0, seq) if shared else manager.allocate(seq, prompt)
+        for seq in range(16):
+            for _ in range(40):
+                manager.append_slot(seq)
+        blocks[shared] = used(manager)
+    saved = round(100 * (1 - blocks[True] / blocks[False]))
+    assert f"{blocks[False]} blocks unshared, {blocks[True]} shared ({saved}% saved" in PAGES[3].read_text(
+        encoding="utf-8")
+
+
+def test_stage8_text_parallel_sampling_table():
+    from minipaged import LLM
+    from minipaged.stage7_engine import LLM as UnsharedLLM
+
+    params = SamplingParams(n=4, max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(5, 39))}]  # 34 tokens
+    rows = []
+    for cls in (LLM, UnsharedLLM):
+        llm = cls(model="tiny", num_gpu_blocks=64)
+        llm.generate(prompt, params, use_tqdm=False)
+        rows.append((llm.stats["peak_blocks_used"], llm.stats["prefill_tokens"]))
+    text = PAGES[8].read_text(encoding="utf-8")
+    assert f"| stage 8: one request, `n = 4`, shared | {rows[0][0]} | {rows[0][1]} |" in text
+    assert f"| stage 7: four requests seeded one apart, unshared | {rows[1][0]} | {rows[1][1]} |" in text
+
+
+def test_stage9_text_shared_system_prompt():
+    """The example of stage 9's page, as tutorial 09 runs it."""
+    from minipaged import LLM
+
+    system = ("You answer questions about Python's standard library. Return the value of the attribute. "
+              "Return a new list. Raise ValueError if the argument is negative. Return True if the path exists. ")
+    questions = ["Read and return", "Create a new", "Convert the given", "Set the current", "If the file"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    stats = {}
+    for caching in (False, True):
+        llm = LLM("tiny", num_gpu_blocks=128, block_size=16, enable_prefix_caching=caching)
+        llm.generate([system + "Return the number of"], params, use_tqdm=False)
+        llm.generate([system + q for q in questions], params, use_tqdm=False)
+        stats[caching] = llm.stats
+    tokens = len(llm.tokenizer.encode(system).ids)
+    in_words = {6: "six"}[1 + len(questions)]
+    expected = (f"A {tokens}-token system prompt in front of {in_words} questions, blocks of 16: "
+                f"{stats[False]['prefill_tokens']} prefill tokens without caching, {stats[True]['prefill_tokens']} "
+                f"with ({stats[True]['prefix_cache_hits']} block hits)")
+    assert expected in " ".join(PAGES[9].read_text(encoding="utf-8").split())
