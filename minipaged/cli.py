@@ -20,6 +20,14 @@ def _exercise(args: argparse.Namespace) -> int:
 
 
 def _mutants(args: argparse.Namespace) -> int:
+    from minipaged.exercise import PACKAGE_DIR, find_workspace
+
+    workspace = find_workspace(Path.cwd()) or find_workspace(PACKAGE_DIR.parent)
+    if workspace is not None or not (PACKAGE_DIR / "mutants.py").is_file():
+        print(f"minipaged mutants: not available in an exercise workspace ({workspace or PACKAGE_DIR.parent}): "
+              "its catalogue quotes the solutions, so workspaces leave it out; run it in a clone of "
+              "the minipaged repository", file=sys.stderr)
+        return 2
     from minipaged.mutants import format_mutants, run_mutants
 
     results = run_mutants(args.stage, progress=lambda r: print(

@@ -17,6 +17,7 @@ the tests of ``dir`` and counts, per stage, the tests that pass.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
@@ -132,8 +133,64 @@ def stub_source(source: str, stage: int, tutorial: str, filename: str = "<source
     return stubbed
 
 
+# Written by tools, never by the learner: --force replaces a workspace that holds only these.
+CACHES = ("__pycache__", ".pytest_cache", ".hypothesis")
+# Left out of every workspace: its patches quote the solutions of every stage.
+ANSWER_FILES = ("mutants.py",)
+WORKSPACE_CELL = (
+    "# This notebook is in an exercise workspace: import the workspace's minipaged (your code),\n"
+    "# not an installed one. Run this cell first.\n"
+    "import sys\n"
+    "from pathlib import Path\n"
+    "\n"
+    "here = Path.cwd().resolve()\n"
+    f"marked = [p for p in (here, *here.parents) if (p / {WORKSPACE_MARK!r}).is_file()]\n"
+    "sys.path.insert(0, str(marked[0] if marked else here.parent))  # the workspace's root"
+)
+
+
+def find_workspace(start: Path) -> Path | None:
+    """The exercise workspace holding ``start`` (it or a folder above it), if any."""
+    start = Path(start).resolve()
+    return next((p for p in (start, *start.parents) if (p / WORKSPACE_MARK).is_file()), None)
+
+
+def _workspace_files(out: Path) -> dict[str, Path]:
+    """Every file of a folder by relative path, tools' caches left out."""
+    return {path.relative_to(out).as_posix(): path for path in sorted(out.rglob("*"))
+            if path.is_file() and not set(path.relative_to(out).parts) & set(CACHES)
+            and path.suffix != ".pyc" and path.name != WORKSPACE_MARK}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def workspace_changes(out: Path) -> list[str]:
+    """What the learner changed in a workspace: files edited or added since ``exercise`` wrote it.
+
+    The mark file lists every file it wrote with its SHA-256; a workspace written before the
+    list existed counts as changed (nothing proves otherwise).
+    """
+    lines = (Path(out) / WORKSPACE_MARK).read_text().splitlines()[1:]
+    written = dict(reversed(line.split("  ", 1)) for line in lines if "  " in line)
+    if not written:
+        return ["(no list of the files it wrote)"]
+    changes = []
+    for name, path in _workspace_files(Path(out)).items():
+        if name not in written:
+            changes.append(f"{name} (added)")
+        elif _digest(path) != written[name]:
+            changes.append(f"{name} (edited)")
+    return changes
+
+
 def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) -> Path:
-    """Copy the package, the stage tests, the tutorials and the docs into ``out``: a workspace."""
+    """Copy the package, the stage tests, the tutorials and the docs into ``out``: a workspace.
+
+    ``out`` must be missing or empty, or, with ``force``, a workspace that this tool wrote
+    and that holds no change of the learner's: nothing the learner wrote is ever deleted.
+    """
     tests_dir = repo_dir / "tests"
     if not tests_dir.is_dir():
         raise FileNotFoundError(
@@ -147,9 +204,17 @@ def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) ->
         if not (out / WORKSPACE_MARK).is_file():  # never delete what this tool did not write
             raise FileExistsError(f"{out} is not an exercise workspace written by minipaged; "
                                   "--force replaces only those: choose another --out")
+        changes = workspace_changes(out)
+        if changes:
+            shown = ", ".join(changes[:5]) + (f" and {len(changes) - 5} more" if len(changes) > 5 else "")
+            raise FileExistsError(
+                f"{out} holds your work: {shown}. --force replaces only a workspace that is as "
+                f"`exercise` wrote it; to start afresh, move it away first (mv {out} {out}-mine) "
+                "or choose another --out"
+            )
         shutil.rmtree(out)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(repo_dir / "minipaged", out / "minipaged", ignore=ignore)
+    package_ignore = shutil.ignore_patterns(*CACHES, "*.pyc", *ANSWER_FILES)
+    shutil.copytree(repo_dir / "minipaged", out / "minipaged", ignore=package_ignore)
     (out / "tests").mkdir(parents=True)
     for path in tests_dir.glob("*.py"):
         if path.name.startswith(("test_stage", "conftest", "helpers")):
@@ -158,20 +223,55 @@ def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) ->
         shutil.copy2(repo_dir / name, out / name)
     for folder in ("tutorials", "docs"):  # what the stubs and the README point to
         if (repo_dir / folder).is_dir():
-            shutil.copytree(repo_dir / folder, out / folder, ignore=shutil.ignore_patterns("tutorials", ".*"))
+            shutil.copytree(repo_dir / folder, out / folder,
+                            ignore=shutil.ignore_patterns("tutorials", ".*", *CACHES))
     (out / WORKSPACE_MARK).write_text("workspace\n")
     return out
 
 
+_ANCHOR = re.compile(r"""\s*,\s*(?:start|stop)\s*=\s*("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')""")
+
+
+def workspace_notebook(text: str, reference: str, stubbed: str) -> str:
+    """A tutorial as a workspace holds it: a first cell that imports the workspace's package,
+    and no ``show(..., start=..., stop=...)`` piece named by a text of the stubbed solutions
+    (the learner's code does not hold it: the whole function is shown instead)."""
+
+    def keep(match: re.Match) -> str:
+        anchor = ast.literal_eval(match.group(1))
+        return match.group(0) if anchor in stubbed or anchor not in reference else ""
+
+    notebook = json.loads(text)
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            source = "".join(cell["source"])
+            cell["source"] = _ANCHOR.sub(keep, source).splitlines(keepends=True)
+    first = {"cell_type": "code", "execution_count": None, "id": "minipaged-workspace",
+             "metadata": {"tags": ["minipaged-workspace"]}, "outputs": [],
+             "source": WORKSPACE_CELL.splitlines(keepends=True)}
+    if "id" not in notebook["cells"][0]:
+        first.pop("id")
+    notebook["cells"].insert(0, first)
+    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+
+
 def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = REPO_DIR) -> Path:
-    """Write an exercise workspace for ``stage`` into ``out``: stage ``stage``'s solutions are stubs."""
+    """Write an exercise workspace for ``stage`` into ``out``: stage ``stage``'s solutions are stubs.
+
+    Nothing in it quotes those solutions: the mutant catalogue is left out, and the tutorials
+    show the workspace's own code. ``force``: see ``copy_workspace``.
+    """
     files = stage_files(repo_dir / "minipaged")
     if stage not in files:
         raise ValueError(f"no stage {stage}; stages available: {sorted(files)}")
     out = copy_workspace(out, repo_dir, force)
     target = out / "minipaged" / files[stage].name
     tutorial = tutorial_for(stage, repo_dir)
-    target.write_text(stub_source(target.read_text(), stage, tutorial, str(files[stage])))
+    reference = target.read_text()
+    stubbed = stub_source(reference, stage, tutorial, str(files[stage]))
+    target.write_text(stubbed)
+    for notebook in sorted((out / "tutorials").glob("*.ipynb")):
+        notebook.write_text(workspace_notebook(notebook.read_text(), reference, stubbed))
     (out / "README.md").write_text(
         f"# Exercise {stage}\n\n"
         f"Fill in every `NotImplementedError` in `minipaged/{files[stage].name}`.\n"
@@ -181,14 +281,15 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
         f"or see every stage at once with `{_python()} -m minipaged.cli grade . --stage {stage}`\n"
         f"(without `--stage`, every stage).\n"
     )
-    (out / WORKSPACE_MARK).write_text(f"stage {stage}\n")
+    manifest = [f"{_digest(path)}  {name}" for name, path in _workspace_files(out).items()]
+    (out / WORKSPACE_MARK).write_text(f"stage {stage}\n" + "\n".join(manifest) + "\n")
     return out
 
 
 def edited_stage(directory: Path) -> int | None:
     """The stage whose stubs a workspace was written with, if it is one."""
     mark = Path(directory) / WORKSPACE_MARK
-    words = mark.read_text().split() if mark.is_file() else []
+    words = (mark.read_text().splitlines() or [""])[0].split() if mark.is_file() else []
     return int(words[1]) if len(words) == 2 and words[0] == "stage" and words[1].isdigit() else None
 
 
@@ -203,6 +304,7 @@ class StageResult:
     failed: int
     skipped: int
     failures: list[str] = field(default_factory=list)  # the failing tests, by node id
+    reasons: dict[str, list[str]] = field(default_factory=dict)  # node id -> where and why it failed
 
     @property
     def total(self) -> int:
@@ -242,11 +344,15 @@ def grade(directory: Path, stages: list[int] | None = None) -> list[StageResult]
             setattr(row, record["outcome"], getattr(row, record["outcome"]) + 1)
             if record["outcome"] == "failed":
                 row.failures.append(nodeid)
+                row.reasons[nodeid] = record.get("reason", [])
     return [by_stage[s] for s in sorted(by_stage)]
 
 
 def format_grades(rows: list[StageResult], edited: int | None = None, show: int = 5) -> str:
-    """The grade table, one row per stage, each stage's failing tests under it, and the likely cause.
+    """The grade table, one row per stage, and the likely cause.
+
+    Under each stage, its first ``show`` failing tests, each with the line of the test where
+    it failed and the first line of the error.
 
     ``edited``: the stage the learner works on. When another stage fails too, the lowest
     failing stage is named as the likely cause: every stage builds on the ones below it.
@@ -256,6 +362,7 @@ def format_grades(rows: list[StageResult], edited: int | None = None, show: int 
         lines.append(f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}  {row.status}")
         for nodeid in row.failures[:show]:
             lines.append(f"{'':<8}failed: {nodeid}")
+            lines.extend(f"{'':<10}{reason}" for reason in row.reasons.get(nodeid, []))
         if len(row.failures) > show:
             lines.append(f"{'':<8}... and {len(row.failures) - show} more")
     failing = [row.stage for row in rows if row.failures]

@@ -10,6 +10,7 @@ Test ids here never contain ``stage<N>``, so that ``pytest -k stageN`` never sel
 import ast
 import importlib
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -20,14 +21,18 @@ import pytest
 import minipaged
 from minipaged.exercise import (
     REPO_DIR,
+    WORKSPACE_MARK,
     SolutionMarkerError,
     StageResult,
+    edited_stage,
     format_grades,
     make_workspace,
     run_tests,
     solution_regions,
     stage_files,
     stub_source,
+    workspace_changes,
+    workspace_notebook,
 )
 
 pytestmark = pytest.mark.tooling
@@ -161,10 +166,53 @@ def test_force_replaces_only_a_workspace_it_wrote(tmp_path):
     with pytest.raises(FileExistsError):
         make_workspace(0, REPO_DIR, force=True)  # the checkout itself
     assert (REPO_DIR / "minipaged" / "stage0_contiguous.py").exists()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_force_replaces_a_clean_workspace_and_refuses_one_that_holds_the_learners_work(tmp_path):
+    cli = [sys.executable, "-m", "minipaged.cli", "exercise"]
     workspace = make_workspace(1, tmp_path / "ex")
-    (workspace / "minipaged" / "stage1_block_allocator.py").write_text("# an attempt")
-    make_workspace(1, workspace, force=True)  # its own workspace: replaced, fresh stubs
-    assert "NotImplementedError" in (workspace / "minipaged" / "stage1_block_allocator.py").read_text()
+    (workspace / "minipaged" / "__pycache__").mkdir(exist_ok=True)  # caches are no one's work
+    (workspace / "minipaged" / "__pycache__" / "stage1_block_allocator.cpython-311.pyc").write_bytes(b"x")
+    (workspace / ".hypothesis" / "examples").mkdir(parents=True)
+    (workspace / ".hypothesis" / "examples" / "a").write_text("cache")
+    (workspace / ".pytest_cache").mkdir()
+    (workspace / ".pytest_cache" / "README.md").write_text("cache")
+    done = subprocess.run([*cli, "2", "--out", str(workspace), "--force"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # as written: replaced, by another stage even
+    assert edited_stage(workspace) == 2
+    assert "NotImplementedError" in (workspace / "minipaged" / "stage2_block_table.py").read_text()
+    assert "NotImplementedError" not in (workspace / "minipaged" / "stage1_block_allocator.py").read_text()
+
+    stub = workspace / "minipaged" / "stage2_block_table.py"
+    written = stub.read_text()
+    for edit, name in [(lambda: stub.write_text(written.replace("raise NotImplementedError(", "pass  # (", 1)),
+                        "minipaged/stage2_block_table.py"),
+                       (lambda: (workspace / "notes.md").write_text("my notes"), "notes.md"),
+                       (lambda: stub.write_text(written), "notes.md")]:  # notes alone still count
+        edit()
+        before = _files(workspace)
+        for stage in ("2", "1"):
+            refused = subprocess.run([*cli, stage, "--out", str(workspace), "--force"],
+                                     capture_output=True, text=True)
+            assert refused.returncode != 0 and name in refused.stderr
+            assert _files(workspace) == before, "--force changed a workspace holding the learner's work"
+    assert edited_stage(workspace) == 2
+    (workspace / "notes.md").unlink()  # as written again: replaced
+    make_workspace(1, workspace, force=True)
+    assert edited_stage(workspace) == 1 and not (workspace / "notes.md").exists()
+
+
+def test_a_workspace_without_its_list_of_files_is_never_replaced(tmp_path):
+    workspace = make_workspace(0, tmp_path / "ex")
+    (workspace / WORKSPACE_MARK).write_text("stage 0\n")  # written before the list existed
+    assert workspace_changes(workspace)
+    with pytest.raises(FileExistsError):
+        make_workspace(0, workspace, force=True)
+    assert (workspace / "minipaged" / "stage0_contiguous.py").is_file()
 
 
 def test_cli_writes_a_workspace_and_grades_it(tmp_path):
@@ -235,3 +283,161 @@ def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_caus
     assert "failed: tests/test_stage1_x.py::a" in text and "failed: tests/test_stage3_x.py::c" in text
     assert "likely cause: stage 1" in text.splitlines()[-1]
     assert "likely cause" not in format_grades(rows[1:], edited=3)  # only the edited stage fails
+
+
+# Lines of a stage's solutions that a file of its workspace may hold, each with the reason.
+# Everything else that quotes a solution line fails the check below.
+ALLOWED_QUOTES = {
+    # A call's keyword arguments, continued on a line of their own.
+    (2, "tests/test_stage0_contiguous.py"): {"num_kv_heads=num_kv_heads, head_dim=head_dim)"},
+    (2, "tutorials/00_contiguous_kv_cache.ipynb"): {"num_kv_heads=num_kv_heads, head_dim=head_dim)"},
+    # Tutorial 05 re-derives the kernels' indexing in cells of its own (cells 9, 15 and 28).
+    (5, "tutorials/05_triton_kernel.ipynb"): {
+        "heads = kv_head * GROUP + offs_g", "pos = start + tl.arange(0, BLOCK_N)",
+        "offs_d = tl.arange(0, D_PAD)", "valid = pos < seq_len", "part = tl.program_id(2)",
+    },
+    # The order of the block moves is the scheduler's contract with its runner (stage 6's tests).
+    (7, "tests/helpers_scheduler.py"): {
+        "self.cache.swap_out(out.blocks_to_swap_out)", "self.cache.swap_in(out.blocks_to_swap_in)",
+        "self.cache.copy_blocks(out.blocks_to_copy)", "for seq, n in out.scheduled:",
+    },
+}
+
+
+def solution_lines(path: Path) -> set[str]:
+    """The lines of a file's solutions that say something: code longer than 20 characters."""
+    lines = path.read_text().splitlines()
+    found = set()
+    for begin, end, _ in solution_regions(path.read_text(), str(path)):
+        for line in lines[begin : end - 1]:
+            text = line.strip()
+            if len(text) > 20 and not text.startswith(("#", '"""', "'''", 'f"""')):
+                found.add(text)
+    return found
+
+
+def given_lines(package: Path, stage: int) -> set[str]:
+    """The lines of the package's code that lie outside stage ``stage``'s solutions: code that
+    every workspace holds by design (the other stages, the stubbed file's own code)."""
+    found = set()
+    for path in package.rglob("*.py"):
+        if path.name == "mutants.py":
+            continue
+        lines = path.read_text().splitlines()
+        if path == stage_files(package)[stage]:
+            for begin, end, _ in solution_regions(path.read_text()):
+                lines[begin - 1 : end] = [""] * (end - begin + 1)
+        found.update(line.strip() for line in lines)
+        found.update(line.split("  #")[0].strip() for line in lines)  # the code without its comment
+    return found
+
+
+def readable_text(path: Path) -> str:
+    """A file's text as a reader sees it: a notebook's cells, not their JSON escapes."""
+    text = path.read_text(errors="replace")
+    if path.suffix == ".ipynb":
+        text = "\n".join("".join(cell["source"]) for cell in json.loads(text)["cells"])
+    return text
+
+
+def quotes(text: str, line: str) -> bool:
+    """Whether ``text`` holds ``line`` whole (not as the tail of a longer name or attribute)."""
+    return re.search(rf"(?<![\w.]){re.escape(line)}(?!\w)", text) is not None
+
+
+@pytest.mark.parametrize("number", STAGES)
+def test_no_file_of_a_workspace_quotes_the_solutions_it_asks_for(number, tmp_path):
+    workspace = make_workspace(number, tmp_path / "ws")
+    for stage, path in stage_files().items():  # only this stage is stubbed: the others are given
+        stubbed = (workspace / "minipaged" / path.name).read_text() != path.read_text()
+        assert stubbed == (stage == number), path.name
+    secrets = solution_lines(stage_files()[number]) - given_lines(REPO_DIR / "minipaged", number)
+    assert len(secrets) >= 5, "too few lines to search for"
+    quoted = {}
+    for path in workspace.rglob("*"):
+        if path.is_file() and path.suffix not in (".safetensors", ".png", ".pyc"):
+            name = path.relative_to(workspace).as_posix()
+            text = readable_text(path)
+            found = {line for line in secrets if quotes(text, line)} - ALLOWED_QUOTES.get((number, name), set())
+            if found:
+                quoted[name] = sorted(found)
+    assert not quoted, f"the workspace quotes its solutions: {quoted}"
+
+
+def test_the_quote_check_finds_the_mutant_catalogue():
+    catalogue = (REPO_DIR / "minipaged" / "mutants.py").read_text()
+    for number in STAGES:
+        secrets = solution_lines(stage_files()[number]) - given_lines(REPO_DIR / "minipaged", number)
+        assert any(quotes(catalogue, line) for line in secrets), f"no stage-{number} line found in mutants.py"
+
+
+def test_the_mutants_command_is_refused_in_a_workspace(tmp_path):
+    workspace = make_workspace(1, tmp_path / "ws")
+    assert not (workspace / "minipaged" / "mutants.py").exists()
+    installed = str(Path(sys.executable).parent / "minipaged")  # the repository's package
+    for command, cwd in [([sys.executable, "-m", "minipaged.cli"], workspace),  # the workspace's
+                         ([installed], workspace / "tests")]:
+        done = subprocess.run([*command, "mutants", "--stage", "1"], cwd=cwd, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == "" and "workspace" in done.stderr
+
+
+def test_grade_shows_where_and_why_each_test_failed(tmp_path):
+    workspace = make_workspace(1, tmp_path / "ws")
+    reference = stage_files()[1].read_text()
+    wrong = reference.replace("        if self._is_free[block_id]:\n            raise ValueError(",
+                              "        if False:\n            raise ValueError(")
+    assert wrong != reference
+    (workspace / "minipaged" / stage_files()[1].name).write_text(wrong)  # a double free accepted
+    graded = subprocess.run([sys.executable, "-m", "minipaged.cli", "grade", ".", "--stage", "1"],
+                            cwd=workspace, capture_output=True, text=True)
+    assert graded.returncode == 1, graded.stderr
+    lines = graded.stdout.splitlines()
+    failed = [i for i, line in enumerate(lines) if line.strip().startswith("failed: ")]
+    assert failed
+    for i in failed:
+        where = re.match(r"\s+(tests/test_\w+\.py):(\d+): (.+)$", lines[i + 1])
+        assert where, lines[i:i + 3]
+        source = (workspace / where[1]).read_text().splitlines()[int(where[2]) - 1].strip()
+        assert source == where[3] or where[3].endswith("…") and source.startswith(where[3][:-1])
+        assert lines[i + 2].strip() and not lines[i + 2].strip().startswith("failed: ")
+    assert any("raises(ValueError)" in lines[i + 1] for i in failed)  # the test that expected it
+
+
+def test_grade_table_lists_each_failures_reason_under_it():
+    rows = [StageResult(1, 1, 1, 0, ["tests/test_stage1_x.py::a"],
+                        {"tests/test_stage1_x.py::a": ["tests/test_stage1_x.py:7: assert f() == 3",
+                                                       "assert 2 == 3"]})]
+    lines = format_grades(rows).splitlines()
+    at = next(i for i, line in enumerate(lines) if "failed: tests/test_stage1_x.py::a" in line)
+    assert [line.strip() for line in lines[at + 1 : at + 3]] == [
+        "tests/test_stage1_x.py:7: assert f() == 3", "assert 2 == 3"]
+
+
+def test_the_suggested_workspace_folders_are_ignored_by_git():
+    if not (REPO_DIR / ".git").exists():
+        pytest.skip("not a git checkout")
+    suggested = set()
+    for page in (REPO_DIR / "README.md", REPO_DIR / "docs" / "exercises" / "index.md"):
+        suggested |= set(re.findall(r"minipaged exercise \d+ --out (\S+)", page.read_text()))
+    assert suggested, "no --out example found"
+    for folder in sorted(suggested | {"minipaged-exercise-3"}):
+        for inside in ("minipaged/stage0_contiguous.py", "notes.md"):
+            done = subprocess.run(["git", "check-ignore", "-q", f"{folder}/{inside}"], cwd=REPO_DIR)
+            assert done.returncode == 0, f"{folder}/{inside} is not git-ignored"
+    assert subprocess.run(["git", "check-ignore", "-q", "minipaged/stage0_contiguous.py"],
+                          cwd=REPO_DIR).returncode == 1
+
+
+def test_workspace_tutorials_import_the_workspace_and_drop_pieces_named_by_a_solution():
+    reference = "def f():\n    # BEGIN SOLUTION\n    x = secret()\n    return x\n    # END SOLUTION\n"
+    stubbed = "def f():\n    raise NotImplementedError('stage 1')\n"
+    cell = "show(f, start='x = secret()', stop=\"return x\")\nshow(f, start='def f')\nshow(g, stop='other')\n"
+    notebook = {"cells": [{"cell_type": "code", "id": "a", "metadata": {}, "outputs": [],
+                           "execution_count": None, "source": [cell]}],
+                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    out = json.loads(workspace_notebook(json.dumps(notebook), reference, stubbed))
+    first, second = ("".join(c["source"]) for c in out["cells"])
+    assert second == "show(f)\nshow(f, start='def f')\nshow(g, stop='other')\n"
+    assert WORKSPACE_MARK in first and "sys.path.insert(0" in first
+    assert len({c["id"] for c in out["cells"]}) == 2
