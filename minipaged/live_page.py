@@ -30,6 +30,8 @@ TAIL_CHARS = 120
 
 def _tail(llm, token_ids: list[int]) -> str:
     """The end of a sequence's text; a character cut in half by the token window is dropped."""
+    if not token_ids:
+        return ""
     return llm.engine.text(token_ids[-TAIL_TOKENS:]).lstrip("\ufffd")[-TAIL_CHARS:]
 
 
