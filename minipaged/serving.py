@@ -705,9 +705,10 @@ def build_app(llm, model_name: str = "tiny", max_waiting: int = 256, *, api_key:
             completion = sum(t.num_tokens for t in self.texts)
             return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-        def release(self) -> None:
+        def release(self, reason: str | None = None) -> None:
+            """Release every engine request: aborted (``reason`` None) or failed (``"error"``)."""
             for handle in self.handles:
-                engine.release(handle)
+                engine.release(handle, [reason] * handle.params.n if reason else None)
 
     def completion_logprobs(tokens, tops, offset0: int) -> dict:
         strings = [llm.engine.text([t]) for t in tokens]
@@ -764,9 +765,11 @@ def build_app(llm, model_name: str = "tiny", max_waiting: int = 256, *, api_key:
                 yield sse({"id": request_id, "object": chunk.object, "created": int(time.time()),
                            "model": model_name, "choices": [], "usage": run.usage()})
         except RequestFailed as err:
+            run.release("error" if err.status == 500 else None)
             yield sse(error_body(str(err), err.status))
         except Exception as err:  # a failure during a stream is an error event, then [DONE]
             logger.exception("a stream failed")
+            run.release("error")
             yield sse(error_body(f"internal server error: {type(err).__name__}", 500))
         finally:
             run.release()
@@ -784,6 +787,7 @@ def build_app(llm, model_name: str = "tiny", max_waiting: int = 256, *, api_key:
                         return False
             return True
         except RequestFailed as err:
+            run.release("error" if err.status == 500 else None)
             raise OpenAIError(str(err), err.status) from None
         finally:
             run.release()
