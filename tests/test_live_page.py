@@ -332,3 +332,32 @@ def test_the_page_draws_the_swap_pool_and_whose_blocks_are_there(browser):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_the_load_generator_talks_to_the_loopback_only_and_keeps_the_full_results(monkeypatch):
+    """bench/serving_load.py refuses any other host; only its full run writes bench/results."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "bench" / "serving_load.py"
+    spec = importlib.util.spec_from_file_location("serving_load", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000/", "http://[::1]:8000"):
+        assert bench.loopback_url(url).startswith("http://")
+    for url in ("http://10.0.0.1:8000", "http://example.com", "https://127.0.0.1:8000", "http://0.0.0.0:8000",
+                "http://127.0.0.1.example.com:80"):
+        with pytest.raises(ValueError):
+            bench.loopback_url(url)
+    def no_server(*args):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(bench, "start_server", no_server)
+    monkeypatch.setattr(bench.httpx, "AsyncClient", no_server)
+    monkeypatch.setattr("sys.argv", ["serving_load.py", "--url", "http://example.com:8000"])
+    with pytest.raises(SystemExit):  # refused before any server starts or any request is sent
+        bench.main()
+    where = {tuple(a): bench.output_dir(bench.make_parser().parse_args(a))
+             for a in ([], ["--quick"], ["--streams", "2"], ["--quick", "--streams", "2"])}
+    assert where[()] == bench.RESULTS
+    assert all(d != bench.RESULTS and bench.RESULTS in d.parents for a, d in where.items() if a)
