@@ -8,8 +8,10 @@ same prompt length (token ids, ``--prompt-len``) and generates exactly ``--max-t
 
 Measured per request, from the client: time to first token (TTFT: request sent -> first
 streamed chunk), inter-token latency (ITL: the gap between consecutive chunks; one chunk per
-engine step, one token each) and end-to-end latency (sent -> last chunk); per level, p50 and
-p99 of each and output tokens per second of wall time.
+engine step, one token each), time per output token (TPOT: a request's time from its first
+to its last chunk over its tokens after the first; unlike ITL, it does not care whether chunks
+arrive one by one or in bursts) and end-to-end latency (sent -> last chunk); per level, p50
+and p99 of each and output tokens per second of wall time.
 
 It starts the server itself (``python -m minipaged.cli serve`` on a free loopback port, the
 tiny model on this machine's CPU) unless ``--url`` names one that is already running; either
@@ -104,7 +106,8 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens
     if not times:
         raise RuntimeError("the stream ended without a token")
     # ignore_eos: every request generates exactly max_tokens tokens
-    return {"ttft": times[0] - sent, "e2e": times[-1] - sent, "itl": np.diff(times).tolist(), "tokens": max_tokens}
+    return {"ttft": times[0] - sent, "e2e": times[-1] - sent, "itl": np.diff(times).tolist(), "tokens": max_tokens,
+            "tpot": (times[-1] - times[0]) / max(max_tokens - 1, 1)}
 
 
 async def level(url: str, streams: int, num_requests: int, prompt_len: int, max_tokens: int) -> dict:
@@ -124,12 +127,12 @@ async def level(url: str, streams: int, num_requests: int, prompt_len: int, max_
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(streams)))
         wall = time.perf_counter() - start
-    ttft, e2e = [r["ttft"] for r in records], [r["e2e"] for r in records]
+    ttft, e2e, tpot = [r["ttft"] for r in records], [r["e2e"] for r in records], [r["tpot"] for r in records]
     itl = [x for r in records for x in r["itl"]]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else 0.0  # noqa: E731
     return {"streams": streams, "requests": len(records), "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in records) / wall,
-            **{f"{name}_p{q}": pct(xs, q) for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
+            **{f"{name}_p{q}": pct(xs, q) for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e))
                for q in (50, 99)}}
 
 
@@ -170,6 +173,7 @@ def main() -> None:
             print(f"{c:>4} streams, {r['requests']:>4} requests: {r['tokens_per_s']:7.1f} tokens/s; "
                   f"TTFT p50/p99 {1e3 * r['ttft_p50']:7.1f}/{1e3 * r['ttft_p99']:7.1f} ms, "
                   f"ITL p50/p99 {1e3 * r['itl_p50']:6.1f}/{1e3 * r['itl_p99']:6.1f} ms, "
+                  f"TPOT p50 {1e3 * r['tpot_p50']:6.1f} ms, "
                   f"end-to-end p50/p99 {r['e2e_p50']:6.2f}/{r['e2e_p99']:6.2f} s", flush=True)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     except Exception:
@@ -191,7 +195,7 @@ def main() -> None:
     x = [r["streams"] for r in rows]
     left.plot(x, [r["tokens_per_s"] for r in rows], "o-")
     left.set_ylabel("output tokens / s")
-    for name, style in (("ttft", "o-"), ("itl", "s-")):
+    for name, style in (("ttft", "o-"), ("tpot", "^-"), ("itl", "s-")):
         for q, dash in ((50, style), (99, style[0] + "--")):
             right.plot(x, [1e3 * r[f"{name}_p{q}"] for r in rows], dash, label=f"{name.upper()} p{q}")
     right.set_yscale("log")
@@ -206,8 +210,9 @@ def main() -> None:
     one_stream, top = rows[0], rows[-1]
     print(f"{top['streams']} streams: {top['tokens_per_s']:.0f} tokens/s "
           f"({top['tokens_per_s'] / one_stream['tokens_per_s']:.1f}x {one_stream['streams']} stream), "
-          f"TTFT p50 {1e3 * top['ttft_p50']:.0f} ms, ITL p50/p99 {1e3 * top['itl_p50']:.0f}/"
-          f"{1e3 * top['itl_p99']:.0f} ms on {machine}")
+          f"TTFT p50/p99 {1e3 * top['ttft_p50']:.0f}/{1e3 * top['ttft_p99']:.0f} ms, ITL p50/p99 "
+          f"{1e3 * top['itl_p50']:.0f}/{1e3 * top['itl_p99']:.0f} ms, end-to-end p50/p99 {top['e2e_p50']:.1f}/"
+          f"{top['e2e_p99']:.1f} s on {machine}")
 
 
 if __name__ == "__main__":
