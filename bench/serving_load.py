@@ -191,7 +191,7 @@ def main() -> None:
         {"machine": machine, "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
          "model": model, "prompt_len": prompt_len, "max_tokens": max_tokens,
          "requests_per_stream": per_stream, "levels": rows}, indent=2))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     x = [r["streams"] for r in rows]
     left.plot(x, [r["tokens_per_s"] for r in rows], "o-")
     left.set_ylabel("output tokens / s")
@@ -200,9 +200,10 @@ def main() -> None:
             right.plot(x, [1e3 * r[f"{name}_p{q}"] for r in rows], dash, label=f"{name.upper()} p{q}")
     right.set_yscale("log")
     right.set_ylabel("ms")
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     for ax in (left, right):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(c) for c in x])
         ax.set_xlabel("concurrent streams")
     fig.suptitle(f"{model} model over HTTP, prompt {prompt_len} + {max_tokens} tokens; {machine}", fontsize=9)
     fig.tight_layout()
