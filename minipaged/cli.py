@@ -110,6 +110,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    from minipaged.kernel_report import main as kernels
+
+    return kernels(args.target.split(","), args.dtype.split(","), args.quick, args.json, args.no_divisibility)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from minipaged import LLM, SamplingParams
 
@@ -141,6 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("mutants", help="prove that each stage's tests catch its plausible wrong implementations")
     p.add_argument("--stage", type=int, action="append", help="only this stage's mutants (repeatable)")
     p.set_defaults(run=_mutants)
+
+    p = sub.add_parser("kernels", help="compile stage 5's kernels for A100/H100 and read what the compiler made")
+    p.add_argument("--target", default="sm_80,sm_90", help="comma-separated: sm_80 (A100), sm_90 (H100, H200)")
+    p.add_argument("--dtype", default="bf16,fp16", help="comma-separated: bf16, fp16")
+    p.add_argument("--quick", action="store_true", help="a few shapes instead of the whole table")
+    p.add_argument("--json", help="also write the table to this file")
+    p.add_argument("--no-divisibility", action="store_true",
+                   help="compile as if no pointer or stride were a multiple of 16, to see what that costs")
+    p.set_defaults(run=_kernels)
 
     p = sub.add_parser("generate", help="generate text with a model")
     p.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model folder")

@@ -125,3 +125,20 @@ def test_padding_waste_of_group_and_head_dim():
     assert kr.padding_waste(8, 128) == (0.5, 0.0)  # 8 query heads in 16 rows
     assert kr.padding_waste(1, 128) == (15 / 16, 0.0)
     assert kr.padding_waste(7, 80) == (9 / 16, 0.375)  # head dim 80 in 128 lanes
+
+
+def test_the_stage_page_states_the_computed_roofline():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "stages" / "5_triton_attention.md").read_text()
+    shape = dict(batch=64, context=4096)
+    assert f"**{kr.decode_bytes(**shape) / 1e6:,.0f} MB**" in page
+    assert f"**{kr.decode_bound_us('H200', **shape):.0f} µs** on an H200" in page
+    assert f"{kr.decode_bound_us('H100 SXM', **shape):.0f} µs on an H100 SXM" in page
+    assert f"{kr.decode_bound_us('A100-40GB', **shape):.0f} µs on an A100-40GB" in page
+    assert f"**{kr.decode_programs(1, 32768)}** programs" in page
+    assert f"**{kr.decode_programs(1, 32768, version='v2')}** programs" in page
+    group_pad, head_dim = 16, 128  # a group of 8 padded to 16 rows: two FLOPs per MAC, QK and PV
+    flops_per_byte = (2 * 2 * group_pad * head_dim) / (2 * head_dim * 2)
+    assert f"**{flops_per_byte:.0f}** FLOPs" in page
+    assert f"{kr.padding_waste(7, 80)[1]:.1%} of the lanes" in page
