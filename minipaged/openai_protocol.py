@@ -47,6 +47,8 @@ class OpenAIError(Exception):
 
 def error_type(status: int) -> str:
     """vLLM's type names: the status phrase, CamelCase, ending in ``Error``."""
+    if status == 413:  # Python 3.13 renamed its phrase; keep one name
+        return "RequestEntityTooLargeError"
     phrase = HTTPStatus(status).phrase.replace("-", " ").title().replace(" ", "")
     return phrase if phrase.endswith("Error") else phrase + "Error"
 
