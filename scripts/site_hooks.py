@@ -7,12 +7,18 @@
   MathJax renders their formulas, and the tutorials draw no widgets.
 * Each notebook page opens with a link to download the notebook. Links a notebook writes
   to a page's source (``../stages/1_block_allocator.md``) become links to the page.
+  Notebook pages give the table of contents' room to the notebook.
+* Everything fits the column (``docs/stylesheets/extra.css`` does the rest): each line of
+  a code block or text output becomes a ``<span class="line">`` of its own, so that a line
+  too long for the column wraps under its own indentation, marked as a continuation; names
+  in table cells may break after ``_ . / ( ,``, never inside a word.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+from html import unescape
 from pathlib import Path
 
 SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.S | re.I)
@@ -20,6 +26,16 @@ EXTERNAL = re.compile(r"""["']https?://""", re.I)  # a quoted address: src="…"
 # nbconvert's own MathJax set-up (the site's replaces it) and embedded widget state.
 NOTEBOOK_SCRIPTS = ("text/x-mathjax-config", "widget-state+json", "widget-view+json")
 MD_LINK = re.compile(r'href="(?!https?:|#|/)([^"#]+)\.md(#[^"]*)?"')
+EMPTY_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=(\"\"|'')[^>]*>\s*</script>", re.I)
+PRE = re.compile(r"(<pre\b[^>]*>)(.*?)(</pre>)", re.S | re.I)
+CODE_CONTAINER = re.compile(r"^((?:\s*<span></span>)?\s*<code\b[^>]*>)(.*)(</code>\s*)$", re.S)
+TAG = re.compile(r"(<[^>]+>)")
+VOID = {"br", "wbr", "img", "hr", "input"}
+# Pygments' inline line numbers: a span of digits with padding, where a line opens.
+LINE_NUMBER = re.compile(r'<span (?:class="linenos"|style="[^"]*padding-left[^"]*")>(\s*\d+\s*)</span>')
+TABLE = re.compile(r"<table\b.*?</table>", re.S | re.I)
+CELL_CODE = re.compile(r"(<code\b[^>]*>)(.*?)(</code>)", re.S)
+BREAK_AFTER = re.compile(r"([_./(,])(?=[^<>]*(?:<|$))(?!<wbr>)")
 
 
 def _is_notebook(page) -> bool:
@@ -32,14 +48,84 @@ def _download_link(page) -> str:
             f"({name})</a> to run it in Jupyter, next to a clone of minipaged.</p>")
 
 
+def _tag_name(tag: str) -> str:
+    return re.match(r"</?\s*([A-Za-z0-9]+)", tag).group(1).lower()
+
+
+def _text(html: str) -> str:
+    return unescape(TAG.sub("", html))
+
+
+def _lines(inner: str) -> str:
+    """``inner`` (a ``<pre>``'s HTML) with each line in a ``<span class="line">``: the tags open
+    at a line's end are closed there and opened again on the next line; ``--indent`` is the
+    width the line's own indentation (and line number, if it opens with one) takes."""
+    lines: list[list[str]] = [[]]
+    open_tags: list[str] = []
+    for token in TAG.split(inner):
+        if token.startswith("<"):
+            lines[-1].append(token)
+            if token.startswith("</"):
+                if open_tags:
+                    open_tags.pop()
+            elif not token.endswith("/>") and _tag_name(token) not in VOID:
+                open_tags.append(token)
+            continue
+        for number, piece in enumerate(token.split("\n")):
+            if number:
+                lines[-1].append("\n" + "".join(f"</{_tag_name(t)}>" for t in reversed(open_tags)))
+                lines.append(list(open_tags))
+            if piece:
+                lines[-1].append(piece)
+    if len(lines) > 1 and not _text("".join(lines[-1])):  # after the last newline: tags only
+        lines.pop()
+    out = []
+    for line in lines:
+        html = "".join(line)
+        text = _text(html).rstrip("\n")
+        indent = f"{len(text) - len(text.lstrip())}ch"
+        number = LINE_NUMBER.search(html)
+        if number and not _text(html[:number.start()]):  # show()'s: 5 px of padding either side
+            code = text[len(unescape(number.group(1))):]
+            indent = f"calc({len(text) - len(code.lstrip())}ch + 10px)"
+        out.append(f'<span class="line" style="--indent: {indent}">{html}</span>')
+    return "".join(out)
+
+
+def _wrap_lines(html: str) -> str:
+    def wrap(match: re.Match) -> str:
+        start, inner, end = match.groups()
+        before = match.string[max(0, match.start() - 80):match.start()]
+        if 'class="line"' in inner or "linenodiv" in before or '<td class="code">' in before:
+            return match.group(0)  # done, or a numbered listing whose numbers sit beside it
+        if container := CODE_CONTAINER.match(inner):
+            inner = container.group(1) + _lines(container.group(2)) + container.group(3)
+        else:
+            inner = _lines(inner)
+        return start + inner + end
+
+    return PRE.sub(wrap, html)
+
+
+def _breakable_names(html: str) -> str:
+    def cell_code(match: re.Match) -> str:
+        start, inner, end = match.groups()
+        return start + BREAK_AFTER.sub(r"\1<wbr>", inner) + end
+
+    return TABLE.sub(lambda table: CELL_CODE.sub(cell_code, table.group(0)), html)
+
+
 def on_page_content(html: str, page, config, files):
+    html = _breakable_names(html)
     if not _is_notebook(page):
         return html
+    page.meta.setdefault("hide", []).append("toc")
     html = MD_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(2) or ""}"', html)
     return _download_link(page) + html
 
 
 def on_post_page(output: str, page, config):
+    output = _wrap_lines(EMPTY_SCRIPT.sub("", output))
     if not _is_notebook(page):
         return output
 

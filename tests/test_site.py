@@ -74,7 +74,7 @@ class _Resources(HTMLParser):
         rel = set((attrs.get("rel") or "").lower().split())
         fetched = not (tag == "link" and rel and rel <= NOT_FETCHED)
         for name in RESOURCE_ATTRIBUTES.get(tag, ()) if fetched else ():
-            if value := attrs.get(name):
+            if (value := attrs.get(name)) is not None:  # an empty address loads the page again
                 parts = value.split(",") if name == "srcset" else [value]
                 self.found += [part.strip().split(" ")[0] for part in parts]
         if attrs.get("style"):
@@ -108,7 +108,9 @@ def test_no_page_or_stylesheet_loads_anything_from_outside_the_site(site):
         parser = _Resources()
         parser.feed(html)
         for address in parser.found:
-            if ABSOLUTE.match(address):
+            if not address:
+                missing.append(f"{page.relative_to(site)}: an empty address")
+            elif ABSOLUTE.match(address):
                 outside.append(f"{page.relative_to(site)}: {address}")
             elif (target := _local_target(site, page, address)) and not target.exists():
                 missing.append(f"{page.relative_to(site)}: {address}")
@@ -127,7 +129,8 @@ def test_the_check_finds_what_it_looks_for():
     parser.feed('<link rel="stylesheet" href="https://fonts.example/css"><img srcset="a.png 1x, '
                 '//cdn.example/b.png 2x"><script type="module">import m from "https://cdn.example/m.js"'
                 '</script><div style="background: url(https://x.example/i.png)"></div>'
-                '<link rel="canonical" href="https://example.org/">')
+                '<link rel="canonical" href="https://example.org/"><script src=""> </script>')
+    assert "" in parser.found
     assert [a for a in parser.found if ABSOLUTE.match(a)] == [
         "https://fonts.example/css", "//cdn.example/b.png", "https://cdn.example/m.js",
         "https://x.example/i.png"]
@@ -367,3 +370,112 @@ def test_the_footers_lead_along_the_learners_path(site):
     forward = _walk(site, "index.html", "next")
     _check_learners_path(forward)
     assert _walk(site, forward[-1], "prev") == forward[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything fits the column at 1280 px: no code block, output, table or formula scrolls
+# sideways or sticks out of the column, and no page scrolls sideways as a whole.
+
+BLOCKS = ("pre", "table", ".md-typeset__scrollwrap", ".jp-OutputArea-output", ".jp-InputArea",
+          ".jp-Cell", ".highlight", ".minipaged-source", ".arithmatex")
+OVERFLOWS = """
+const column = document.querySelector('.md-content') || document.body;  // with its margins
+const limit = column.getBoundingClientRect().right;
+document.querySelectorAll('details').forEach(d => d.open = true);  // folded answers fit too
+const wide = [...document.querySelectorAll(arguments[0].join(','))].filter(e => {
+  if (!e.getClientRects().length) return false;  // not shown
+  return e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > limit + 1;
+});
+const innermost = wide.filter(e => !wide.some(o => o !== e && e.contains(o)));
+const found = innermost.map(e => {
+  const name = e.tagName.toLowerCase() + [...e.classList].slice(0, 2).map(c => '.' + c).join('');
+  const text = e.textContent.trim().replace(/\\s+/g, ' ').slice(0, 60);
+  return `${name} (${e.scrollWidth} px in ${e.clientWidth}): ${text}`;
+});
+const page = document.scrollingElement;
+if (page.scrollWidth > page.clientWidth + 1)
+  found.push(`the page scrolls sideways (${page.scrollWidth} px in ${page.clientWidth})`);
+return found;
+"""
+
+
+def _overflows(browser, url: str) -> list[str]:
+    """What does not fit on the page at ``url``, the browser's window being 1280 px wide."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(url)
+    wait = WebDriverWait(browser, 30, poll_frequency=0.1)
+    wait.until(lambda b: b.execute_script("return document.readyState") == "complete")
+    try:  # formulas change the layout once typeset
+        wait.until(lambda b: b.execute_script(
+            "return !(window.MathJax && MathJax.Hub) || MathJax.Hub.queue.pending === 0"))
+    except TimeoutException:
+        pass
+    return browser.execute_script(OVERFLOWS, list(BLOCKS))
+
+
+def _site_pages(site: Path) -> list[str]:
+    return sorted(str(page.relative_to(site)) for page in site.rglob("*.html"))
+
+
+@docs
+def test_every_page_fits_the_column_at_1280_px(site, served, browser):
+    assert browser.execute_script("return window.innerWidth") == 1280
+    wide = {}
+    for page in _site_pages(site):
+        if found := _overflows(browser, f"{served}/{page}"):
+            wide[page] = found
+    report = "\n".join(f"{page}: {item}" for page, items in wide.items() for item in items)
+    assert not wide, f"{sum(map(len, wide.values()))} blocks do not fit the column:\n{report}"
+
+
+@docs
+def test_the_fit_check_finds_what_sticks_out(tmp_path, browser):
+    long = "x = " + " + ".join(["value"] * 60)
+    page = tmp_path / "wide.html"
+    page.write_text(f'<div class="md-content" style="width: 600px"><pre>{long}</pre>'
+                    f'<table><tr><td style="white-space: nowrap">{long}</td></tr></table>'
+                    f'<pre style="white-space: pre-wrap">{long}</pre></div>', encoding="utf-8")
+    found = _overflows(browser, page.as_uri())
+    assert [item.split(" ")[0] for item in found] == ["pre", "table", "the"], found
+
+
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("site_hooks", ROOT / "scripts" / "site_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_code_lines_become_lines_of_their_own_with_their_indentation():
+    hooks = _hooks()
+    code = ('<pre><span></span><span class="k">def</span> f():\n'
+            '    <span class="s">"""one\ntwo"""</span>\n\n'
+            '    <span class="k">return</span> 1 &lt; 2\n</pre>')
+    html = hooks._wrap_lines(code)
+    lines = re.findall(r'<span class="line" style="--indent: ([^"]+)">', html)
+    assert lines == ["0ch", "4ch", "0ch", "0ch", "4ch"]  # the string's second line starts at 0
+    assert hooks._text(html) == hooks._text(code)  # not a character more or less: copying works
+    parser = HTMLParser()
+    opened = []
+    parser.handle_starttag = lambda tag, attrs: opened.append(tag)
+    parser.handle_endtag = lambda tag: opened.pop() if opened[-1] == tag else pytest.fail(tag)
+    parser.feed(html)
+    assert opened == []
+    numbered = ('<pre class="x"><span style="padding-left: 5px">12</span>    a\n'
+                '<span style="background: y"><span style="padding-left: 5px">13</span>  a\n</span></pre>')
+    assert re.findall(r"--indent: ([^\"]+)\"", hooks._wrap_lines(numbered)) == [
+        "calc(6ch + 10px)", "calc(4ch + 10px)"]
+    assert hooks._wrap_lines(html) == html  # once only
+
+
+def test_names_in_table_cells_may_break_after_punctuation_only():
+    hooks = _hooks()
+    html = ('<p><code>a_b.c</code></p><table><tr><td><code>vllm/v1/kv_cache_manager.py</code></td>'
+            '<td><a href="x_y.html"><code>f(a, b)</code></a></td></tr></table>')
+    assert hooks._breakable_names(html) == (
+        '<p><code>a_b.c</code></p><table><tr><td><code>vllm/<wbr>v1/<wbr>kv_<wbr>cache_<wbr>manager.'
+        '<wbr>py</code></td><td><a href="x_y.html"><code>f(<wbr>a,<wbr> b)</code></a></td></tr></table>')
