@@ -1,0 +1,410 @@
+"""Stage 10 — from the paper to today's vLLM (V1): one token budget, chunked prefill, a persistent batch.
+
+Stage 6 schedules as the paper did: a step decodes the running requests, then admits whole
+prompts. vLLM V1 has no phases. A request is its tokens and how many of them are computed
+(``num_computed_tokens``); a step hands out at most ``max_num_batched_tokens`` new tokens
+(the ``token_budget``):
+
+1. **Running requests, oldest first**, each get ``min(tokens not yet computed, budget left)``:
+   1 for a decode, a **chunk** of its prompt for a request still prefilling. A request
+   that needs a block when none is free preempts the **newest** running request by
+   **recompute** — its blocks freed, back to the *front* of ``waiting``, its
+   ``num_computed_tokens`` back to 0 (no swap in V1).
+2. **Waiting requests, oldest first**, if nothing was preempted: while budget, blocks and
+   ``max_num_seqs`` last. Prefix caching is always on: stage 9's ``allocate`` takes the
+   cached prefix, so a request starts at its first uncached token (stage 9 never takes
+   the block of the last token, so it is always computed). The last request admitted
+   may get only a chunk of its prompt.
+
+A chunk attends to the computed prefix and to itself: stage 4's variable-length path
+(``query_start_loc``). Decodes and chunks share one forward pass; a request whose prompt
+is not finished produces no token that step. The runner keeps a **persistent batch**
+(``InputBatch``): one row per request — token ids, ``num_computed_tokens``, block table —
+kept across steps; each step applies only what changed (new requests, the last sampled
+token, new blocks, rows of finished or preempted requests), then gathers the flat inputs
+with tensor indexing instead of rebuilding them from every block table.
+
+Composed from stage 9's block manager, stage 7's sampler and engine, and the model, through
+their public interfaces. Simplification: V1 allocates a chunk's blocks as it schedules it;
+here stage 9's ``allocate`` takes blocks for the whole sequence when it is admitted. One
+sequence per request: ``n > 1`` and beam search are refused. Checked against stage 9: the
+same tokens and log-probabilities for any budget, from 1 token up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from minipaged.models import AttentionMetadata
+from minipaged.sampling_params import SamplingParams, check_int
+from minipaged.stage1_block_allocator import OutOfBlocksError
+from minipaged.stage6_scheduler import Sequence, SequenceStatus
+from minipaged.stage7_engine import LLMEngine, Request
+from minipaged.stage9_prefix_caching import LLM as PrefixCachingLLM
+from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must see afresh, after a preemption): all of it."""
+
+    req_id: Hashable
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in the persistent batch: only what changed since its last step."""
+
+    req_id: Hashable
+    new_token_ids: list[int]  # the token sampled last step, if any
+    new_block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: how many tokens each request computes, and the differences for the runner."""
+
+    num_scheduled_tokens: dict[Hashable, int] = field(default_factory=dict)  # in scheduling order
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    preempted_req_ids: list[Hashable] = field(default_factory=list)
+    finished_req_ids: list[Hashable] = field(default_factory=list)  # since the last step
+    scheduled: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class KVCacheManager:
+    """V1's name for the blocks of requests; here stage 9's manager (prefix caching on) does the work."""
+
+    def __init__(self, manager: PrefixCachingBlockSpaceManager) -> None:
+        self.manager = manager
+
+    def allocate_prompt(self, seq: Sequence) -> int | None:
+        """Blocks for all of a new (or recomputed) sequence's tokens, the cached prefix reused: the
+        number of tokens found computed (V1: ``get_computed_blocks``); None if too few blocks are free."""
+        # BEGIN SOLUTION stage 9's allocate finds the cached prefix; a refusal changes nothing
+        try:
+            return self.manager.allocate(seq.seq_id, seq.token_ids)
+        except OutOfBlocksError:
+            return None
+        # END SOLUTION
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
+        """Room for ``num_new_tokens`` more computed tokens: the new block ids (often none); None,
+        and nothing taken, if that needs more blocks than are free."""
+        manager, table = self.manager, self.manager.table(seq.seq_id)
+        missing = seq.num_computed_tokens + num_new_tokens - table.num_tokens  # slots to add
+        # BEGIN SOLUTION refuse when the blocks are short; else append the slots one by one
+        before = len(table.block_ids)
+        if manager.blocks_needed(table.num_tokens + missing) - before > manager.num_free_blocks:
+            return None
+        for _ in range(missing):
+            manager.append_slot(seq.seq_id)
+        return manager.get_block_table(seq.seq_id)[before:]
+        # END SOLUTION
+
+    def free(self, seq: Sequence) -> None:
+        self.manager.free(seq.seq_id)
+
+
+class V1Scheduler:
+    """Waiting and running requests under one token budget per step (``max_num_batched_tokens``)."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("max_num_seqs", max_num_seqs, 1)
+        self.kv_cache_manager, self.block_manager = kv_cache_manager, kv_cache_manager.manager
+        if self.block_manager.blocks_needed(max_model_len) > self.block_manager.num_total_blocks:
+            raise ValueError(f"max_model_len={max_model_len} does not fit the cache's blocks")
+        self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len = (
+            max_num_batched_tokens, max_num_seqs, max_model_len)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in the order they were admitted: the oldest first
+        self.finished_req_ids: list[Hashable] = []  # for the runner, at the next step
+        self.num_tokens_sent: dict[Hashable, int] = {}  # tokens of each request the runner holds
+        self.num_preemptions = self.peak_blocks_used = 0
+        self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0  # V1 never swaps
+
+    def add(self, request: Request) -> None:
+        """Queue a request of one sequence; ``ValueError`` for one that could never be served."""
+        if len(request.seqs) != 1 or request.width != 1:
+            raise ValueError("stage 10 serves one sequence per request: n > 1 and beam search are stage 8's")
+        seq = request.seqs[0]
+        if len(seq) < 1:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        longest = len(seq) + request.max_tokens
+        if longest > self.max_model_len or self.block_manager.blocks_needed(longest) > self.block_manager.num_total_blocks:
+            raise ValueError(f"prompt ({len(seq)} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len} or the cache")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return any(not r.is_finished() for r in (*self.waiting, *self.running))
+
+    def finish(self, seq: Sequence) -> None:
+        """A running sequence is done: its blocks go back, and the runner drops its row next step."""
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.finished_req_ids.append(self.request_of(seq).request_id)
+
+    def request_of(self, seq: Sequence) -> Request:
+        return next(r for r in self.running if r.seqs[0] is seq)
+
+    def abort(self, request_id: Hashable) -> bool:
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    seq = request.seqs[0]
+                    if seq.status is SequenceStatus.RUNNING:
+                        self.kv_cache_manager.free(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    self.finished_req_ids.append(request_id)
+                    return True
+        return False
+
+    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute: free the blocks, forget the computed tokens, back to the front of ``waiting``."""
+        seq = request.seqs[0]
+        # BEGIN SOLUTION
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(0, request)
+        # END SOLUTION
+        out.preempted.append(request)
+        out.preempted_req_ids.append(request.request_id)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step; the rules, each checked by a test of its own:
+
+        1. Running requests, oldest first, while budget is left: each gets
+           ``n = min(len(seq) - num_computed_tokens, budget left)`` tokens, if ``allocate_slots``
+           finds room for them; if not, preempt the newest running request (the last of
+           ``running``), possibly the one asking (then stop), and try again. Every scheduled
+           token — decodes too — comes off the budget.
+        2. Unless something was preempted in this step: waiting requests, oldest first, while budget
+           is left and fewer than ``max_num_seqs`` run; stop at the first that ``allocate_prompt``
+           refuses. An admitted request joins the end of ``running`` with ``num_computed_tokens``
+           set to what ``allocate_prompt`` found and gets ``n`` tokens as above.
+
+        At the end every scheduled request's ``num_computed_tokens`` grows by its ``n`` (V1 counts
+        them computed as soon as they are scheduled). New requests go to the runner whole
+        (``NewRequestData``), running ones as differences (``CachedRequestData``).
+        """
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = []
+        self.running = [r for r in self.running if not r.is_finished()]
+        budget, kv = self.max_num_batched_tokens, self.kv_cache_manager
+        # BEGIN SOLUTION running requests first (preempting the newest when blocks are short), then waiting ones
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            seq = request.seqs[0]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while (new_blocks := kv.allocate_slots(seq, n)) is None:
+                victim = self.running.pop()  # the newest
+                self.preempt(victim, out)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # it preempted itself: every older request is scheduled
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                request.request_id, seq.token_ids[self.num_tokens_sent[request.request_id]:], new_blocks))
+            self.add_to_step(request, n, out)
+            budget -= n
+            i += 1
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            seq = request.seqs[0]
+            computed = kv.allocate_prompt(seq)
+            if computed is None:
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, computed
+            n = min(len(seq) - computed, budget)
+            out.scheduled_new_reqs.append(NewRequestData(
+                request.request_id, list(seq.token_ids), self.block_manager.get_block_table(seq.seq_id), computed))
+            self.add_to_step(request, n, out)
+            budget -= n
+        for request in out.scheduled:
+            request.seqs[0].num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+        # END SOLUTION
+        used = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
+        self.peak_blocks_used = max(self.peak_blocks_used, used)
+        return out
+
+    def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[request.request_id] = n
+        out.scheduled.append(request)
+        self.num_tokens_sent[request.request_id] = len(request.seqs[0])
+
+
+class InputBatch:
+    """The persistent batch: one row per request in the runner, kept from step to step."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.req_ids: list[Hashable] = []  # row -> request
+        self.row_of: dict[Hashable, int] = {}
+        self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64)
+        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)  # tokens known per row
+        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
+        self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
+
+    def add_request(self, new: NewRequestData) -> None:
+        self.remove_request(new.req_id)  # resumed after a preemption: a fresh row
+        row = self.row_of[new.req_id] = len(self.req_ids)
+        self.req_ids.append(new.req_id)
+        self.token_ids[row, :len(new.token_ids)] = torch.tensor(new.token_ids)
+        self.block_table[row, :len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int32)
+        self.num_tokens[row], self.num_blocks[row] = len(new.token_ids), len(new.block_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+
+    def update_request(self, cached: CachedRequestData) -> None:
+        """Append what changed: the new tokens and the new blocks."""
+        row = self.row_of[cached.req_id]
+        # BEGIN SOLUTION write the new tokens and block ids after the row's last ones
+        t, b = int(self.num_tokens[row]), int(self.num_blocks[row])
+        self.token_ids[row, t:t + len(cached.new_token_ids)] = torch.tensor(cached.new_token_ids, dtype=torch.int64)
+        self.block_table[row, b:b + len(cached.new_block_ids)] = torch.tensor(cached.new_block_ids, dtype=torch.int32)
+        self.num_tokens[row] += len(cached.new_token_ids)
+        self.num_blocks[row] += len(cached.new_block_ids)
+        # END SOLUTION
+
+    def remove_request(self, req_id: Hashable) -> None:
+        """Drop a row; the last row moves into the hole, so the rows stay dense."""
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        last = len(self.req_ids) - 1
+        if row != last:
+            for tensor in (self.token_ids, self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks):
+                tensor[row] = tensor[last]
+            self.req_ids[row] = self.req_ids[last]
+            self.row_of[self.req_ids[row]] = row
+        self.req_ids.pop()
+
+
+class V1ModelRunner:
+    """Applies a step's differences to the persistent batch, gathers the flat inputs, runs the model."""
+
+    def __init__(self, model, cache, block_size: int, max_num_reqs: int, max_model_len: int, backend) -> None:
+        self.model, self.cache, self.block_size, self.backend = model, cache, block_size, backend
+        self.device = cache.key_cache[0].device
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+
+    def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
+        """One forward pass: the ids of the requests that sample, and their ``(n, vocab)`` float32 logits.
+
+        A request samples when its tokens are all computed after this step; a request whose
+        prompt is not finished yet produces no logits.
+        """
+        batch, size = self.input_batch, self.block_size
+        for req_id in out.finished_req_ids + out.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in out.scheduled_new_reqs:
+            batch.add_request(new)
+        for cached in out.scheduled_cached_reqs:
+            batch.update_request(cached)
+        rows = torch.tensor([batch.row_of[r] for r in out.num_scheduled_tokens])  # (num_reqs,)
+        counts = torch.tensor(list(out.num_scheduled_tokens.values()))  # (num_reqs,) tokens each
+        # BEGIN SOLUTION flat positions from num_computed_tokens; ids, slots and tables by indexing the batch
+        ends = counts.cumsum(0)
+        owner = torch.repeat_interleave(torch.arange(len(rows)), counts)  # (num_tokens,) index into rows
+        positions = batch.num_computed_tokens[rows][owner] + torch.arange(int(ends[-1])) - (ends - counts)[owner]
+        token_ids = batch.token_ids[rows[owner], positions]  # (num_tokens,)
+        slot_mapping = batch.block_table[rows[owner], positions // size].long() * size + positions % size
+        seq_lens = batch.num_computed_tokens[rows] + counts  # (num_reqs,) context after this step
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            block_tables=batch.block_table[rows, :int(batch.num_blocks[rows].max())].to(self.device),
+            seq_lens=seq_lens.to(torch.int32).to(self.device),
+            query_start_loc=None if int(counts.max()) == 1 else starts.to(self.device),
+            backend=self.backend,
+        )
+        with torch.inference_mode():
+            hidden = self.model(token_ids.to(self.device), positions.to(self.device), self.cache, meta)
+            batch.num_computed_tokens[rows] = seq_lens
+            done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
+            logits = self.model.compute_logits(hidden[(ends - 1)[done].to(self.device)]).float()
+        return [r for r, d in zip(out.num_scheduled_tokens, done.tolist(), strict=True) if d], logits
+        # END SOLUTION
+
+
+class V1Engine(LLMEngine):
+    """Stage 7's engine, stepping V1's scheduler and runner: schedule, execute, sample, update."""
+
+    def add_request(self, request_id, prompt, params: SamplingParams) -> Request:
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
+        return super().add_request(request_id, prompt, params)
+
+    def step(self):
+        """Schedule, run the model, sample for the requests that finished their prompt, return outputs."""
+        out = self.scheduler.schedule()
+        if not out.num_scheduled_tokens:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler found nothing to run although requests remain")
+            return []
+        try:
+            req_ids, logits = self.runner.execute_model(out)
+            requests = [self.requests[r] for r in req_ids]
+            seqs = [r.seqs[0] for r in requests]
+            tokens, logprobs = self.sampler(logits, seqs, [r.params for r in requests])
+            chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+            for i, request in enumerate(requests):
+                self.append_token(request, seqs[i], tokens[i], chosen[i], logprobs[i])
+        except BaseException:  # drop what this step touched: every block back
+            for request in out.scheduled + out.preempted:
+                self.abort_request(request.request_id)
+            raise
+        decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)  # a sampled token, fed back
+        self.counters["steps"] += 1
+        self.counters["decode_tokens"] += decodes
+        self.counters["prefill_tokens"] += out.total_num_scheduled_tokens - decodes
+        usage = self.scheduler.block_manager.usage()
+        self.counters["token_slots"] += usage.token
+        self.counters["held_slots"] += usage.token + usage.internal
+        outputs = [self.output(r) for r in requests]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
+
+class LLM(PrefixCachingLLM):
+    """The engine of stage 9 with V1's scheduling: ``LLM(max_num_batched_tokens=...)``, any budget >= 1."""
+
+    def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 preemption_mode: str = "recompute", enable_prefix_caching: bool = True, **kwargs) -> None:
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        if preemption_mode != "recompute" or enable_prefix_caching is not True:
+            raise ValueError("V1 preempts by recompute only, and prefix caching is always on")
+        super().__init__(model, enable_prefix_caching=True, max_num_seqs=max_num_seqs, **kwargs)
+        manager, old = self.scheduler.block_manager, self.engine  # stage 9's parts; the scheduler is replaced
+        self.scheduler = V1Scheduler(KVCacheManager(manager), max_num_batched_tokens=max_num_batched_tokens,
+                                     max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+        runner = V1ModelRunner(self.model, self.cache, manager.block_size, max_num_seqs, self.max_model_len,
+                               old.runner.backend)
+        self.engine = V1Engine(self.scheduler, runner, old.sampler, tokenizer=self.tokenizer,
+                               eos_token_ids=old.eos_token_ids, vocab_size=self.config.vocab_size,
+                               seed=kwargs.get("seed", 0))
+
+    def beam_search(self, prompts, params=None):
+        raise ValueError("stage 10 serves one sequence per request: use stage 8's or 9's LLM for beam search")
