@@ -990,6 +990,27 @@ class _Server:
         return Server(config)
 
 
+def header_timeout_protocol(timeout: float):
+    """uvicorn's h11 protocol, closing a connection whose first request has not sent all its
+    headers within ``timeout`` seconds (uvicorn has no such timeout of its own)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.header_timer = self.loop.call_later(timeout, self.headers_too_slow)
+
+        def headers_too_slow(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():  # no request has started
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self.header_timer.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
 def check_serve_args(host: str, port: int, shutdown_timeout: float, max_waiting: int) -> None:
     if host not in LOOPBACK_HOSTS:
         raise ValueError(f"minipaged serves on the loopback interface only, not {host!r}")
@@ -1027,7 +1048,7 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
         app = build_app(llm, name, max_waiting, api_key=api_key, max_logprobs=max_logprobs,
                         max_body_bytes=max_body_bytes, read_timeout=read_timeout, model_path=model)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 5,
-                                timeout_keep_alive=5)
+                                timeout_keep_alive=5, http=header_timeout_protocol(read_timeout))
         server = _Server(config, app.state.engine, shutdown_timeout)
         sock.listen(128)
         print(f"minipaged serve: {name} on http://{host if ':' not in host else f'[{host}]'}:"

@@ -261,3 +261,29 @@ def test_the_joined_stream_equals_the_text_without_streaming(plain, prompt, seed
     assert events[-2]["choices"][0]["finish_reason"] == whole["finish_reason"]
     if stops[0] and stops[0] in uncut:
         assert whole["finish_reason"] == "stop"
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed():
+    import uvicorn
+
+    from minipaged.serving import build_app, header_timeout_protocol
+
+    app = build_app(LLM("tiny", num_gpu_blocks=16, max_model_len=64))  # served with `minipaged serve`'s protocol
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=header_timeout_protocol(0.5)))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.02)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+            started = time.monotonic()
+            assert slow.recv(100) == b""  # closed by the server
+            assert 0.4 < time.monotonic() - started < 3
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # whole requests are served
+    finally:
+        uv.should_exit = True
+        thread.join(10)
