@@ -51,7 +51,10 @@ def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, Path]:
 
 def tutorial_for(stage: int, repo_dir: Path = REPO_DIR) -> str:
     """The tutorial notebook that explains a stage, as a path relative to the repository."""
-    matches = sorted((repo_dir / "tutorials").glob(f"{stage:02d}_*.ipynb"))
+    named = stage_files(repo_dir / "minipaged").get(stage)  # a notebook named by the stage's topic first
+    topic = named.stem.split("_", 1)[1] if named else "-"
+    matches = sorted((repo_dir / "tutorials").glob(f"[0-9][0-9]_{topic}.ipynb")) or sorted(
+        (repo_dir / "tutorials").glob(f"{stage:02d}_*.ipynb"))
     return f"tutorials/{matches[0].name}" if matches else f"tutorials/{stage:02d}_*.ipynb"
 
 
@@ -279,7 +282,10 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
         "in the order to write them, with the tests that check each and hints.\n\n"
         f"Check your work from this folder with `{_python()} -m pytest -k stage{stage}`,\n"
         f"or see every stage at once with `{_python()} -m minipaged.cli grade . --stage {stage}`\n"
-        f"(without `--stage`, every stage).\n"
+        f"(without `--stage`, every stage).\n\n"
+        "The tutorials in `tutorials/` run and show your code: their first cell puts this folder\n"
+        "first on Python's path. Nothing here is deleted by `exercise --force`: it refuses a\n"
+        "workspace that holds your work.\n"
     )
     manifest = [f"{_digest(path)}  {name}" for name, path in _workspace_files(out).items()]
     (out / WORKSPACE_MARK).write_text(f"stage {stage}\n" + "\n".join(manifest) + "\n")
@@ -335,7 +341,7 @@ def run_tests(directory: Path, *pytest_args: str) -> dict[str, dict]:
 
 def grade(directory: Path, stages: list[int] | None = None) -> list[StageResult]:
     """Run the stage tests in ``directory`` (every stage, or ``stages``); count passes per stage."""
-    selected = range(10) if not stages else stages
+    selected = (sorted(stage_files(Path(directory) / "minipaged")) or range(10)) if not stages else stages
     results = run_tests(directory, "-m", " or ".join(f"stage{n}" for n in selected))
     by_stage: dict[int, StageResult] = {}
     for nodeid, record in results.items():
