@@ -186,10 +186,26 @@ class OpenAIRequest(BaseModel):
             raise OpenAIError(str(err), 400, param) from None
 
 
+def is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
 class CompletionRequest(OpenAIRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # a string, strings, token ids, or lists of token ids: checked by hand below, because a
+    # union of lists makes pydantic try each member on every item (seconds for 10 MB of ids)
+    prompt: Any
+
+    @model_validator(mode="after")
+    def check_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, str) or is_token_ids(p) and p:
+            return self
+        if isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(is_token_ids(x) for x in p)):
+            return self
+        raise OpenAIError("prompt must be a string, a list of strings, a list of token ids, or a list of lists "
+                          "of token ids (none empty)", 400, "prompt")
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)

@@ -802,16 +802,11 @@ def build_app(llm, model_name: str = "tiny", max_waiting: int = 256, *, api_key:
         if body.echo and body.logprobs is not None:
             raise OpenAIError("echo with logprobs needs prompt logprobs, which this server does not compute",
                               400, "echo")
-        raw = body.prompt
-        if isinstance(raw, str):
-            raw = [raw]
-        elif raw and all(isinstance(t, int) for t in raw):
-            raw = [raw]
-        if not raw:
-            raise OpenAIError("prompt must not be empty", 400, "prompt")
+        first = body.prompt[0] if body.prompt else None  # checked: a string or a list of one kind
+        raw = [body.prompt] if isinstance(body.prompt, str) or type(first) is int else body.prompt
         prompts, texts = [], []
         for p in raw:
-            ids = await encode(p, body.add_special_tokens, "prompt") if isinstance(p, str) else list(p)
+            ids = await encode(p, body.add_special_tokens, "prompt") if isinstance(p, str) else p
             check_prompt(ids, body.max_tokens, "prompt")
             prompts.append(ids)
             texts.append(p if isinstance(p, str) else llm.engine.text(ids))

@@ -133,12 +133,13 @@ def test_the_reproduced_payloads_are_answered_and_do_not_touch_a_concurrent_stre
     assert joined(good["events"]) == [want] and good["events"][-1] == "[DONE]"
 
 
-def test_a_ten_megabyte_prompt_delays_a_concurrent_stream_by_less_than_a_second(served):
+@pytest.mark.parametrize("big", ["lorem ipsum " * (10 * 2**20 // 12), list(range(1, 2000)) * 900],
+                         ids=["text", "token-ids"])  # 10 MB of JSON each
+def test_a_ten_megabyte_prompt_delays_a_concurrent_stream_by_less_than_a_second(served, big):
     good = {}
     thread = stream_in_thread(served.url, {"prompt": PROMPT, "max_tokens": 200, "temperature": 0,
                                            "ignore_eos": True}, good)
     wait_for_events(good, 3)
-    big = "lorem ipsum " * (10 * 2**20 // 12)
     sent = time.monotonic()
     response = httpx.post(f"{served.url}/v1/completions", json={"prompt": big, "max_tokens": 4}, timeout=60)
     answered = time.monotonic()
