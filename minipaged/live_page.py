@@ -135,7 +135,8 @@ tbody tr:hover { background: #f3f3f3; cursor: pointer; }
     <thead><tr><th>request</th><th>queue</th><th>tokens per sequence</th><th>blocks</th></tr></thead>
     <tbody id="queues"></tbody></table></div></section>
   <section class="panel" id="texts-panel"><h2>Streaming now</h2><div class="scroll"><table>
-    <colgroup><col style="width:24%"><col></colgroup><tbody id="texts"></tbody></table></div></section>
+    <colgroup><col style="width:22%"><col style="width:7%"><col></colgroup>
+    <tbody id="texts"></tbody></table></div></section>
 </div>
 </main>
 <script>
@@ -334,6 +335,7 @@ function draw(s) {
     for (const r of s[q]) {
       const tr = rows.insertRow(), id = tr.insertCell();
       tr.dataset.request = r.id;
+      id.title = r.id;
       const sw = el('span', undefined, 'swatch');
       sw.style.background = colour(r.index);
       id.append(sw, r.id);
@@ -348,10 +350,13 @@ function draw(s) {
   for (const r of s.running)
     r.seqs.forEach((seq, i) => {
       if (seq.status === 'finished' && r.seqs.length === 1) return;
-      const tr = texts.insertRow(), id = tr.insertCell(), text = tr.insertCell();
+      const tr = texts.insertRow(), id = tr.insertCell(), which = tr.insertCell(), text = tr.insertCell();
       tr.dataset.request = r.id;
-      id.textContent = r.seqs.length > 1 ? `${r.id} #${i}` : r.id;
-      id.style.color = colour(r.index);
+      id.textContent = r.id;
+      id.title = r.id;
+      which.textContent = r.seqs.length > 1 ? `#${i}` : '';  // the sample of an n > 1 request
+      which.style.padding = '2px 2px';
+      id.style.color = which.style.color = colour(r.index);
       text.className = 'text';
       text.style.borderColor = colour(r.index);
       text.appendChild(el('span', '…' + seq.text));
