@@ -333,8 +333,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if not (self._pending or self._suspects or self._aborts or self._in_engine
-                        or self.engine.has_unfinished_requests()):
+                if not (self._pending or self._suspects or self._aborts or self.engine.has_unfinished_requests()):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 started = self.step_started = time.monotonic()
