@@ -21,12 +21,15 @@ import shutil
 from html import unescape
 from pathlib import Path
 
+import mkdocs.utils
+
 SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.S | re.I)
 EXTERNAL = re.compile(r"""["']https?://""", re.I)  # a quoted address: src="…", from "…", import("…")
 # nbconvert's own MathJax set-up (the site's replaces it) and embedded widget state.
 NOTEBOOK_SCRIPTS = ("text/x-mathjax-config", "widget-state+json", "widget-view+json")
 MD_LINK = re.compile(r'href="(?!https?:|#|/)([^"#]+)\.md(#[^"]*)?"')
 EMPTY_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=(\"\"|'')[^>]*>\s*</script>", re.I)
+ALTERNATE = re.compile(r'<link rel="alternate" href="[^"]*" hreflang="[^"]*">\s*')
 PRE = re.compile(r"(<pre\b[^>]*>)(.*?)(</pre>)", re.S | re.I)
 CODE_CONTAINER = re.compile(r"^((?:\s*<span></span>)?\s*<code\b[^>]*>)(.*)(</code>\s*)$", re.S)
 TAG = re.compile(r"(<[^>]+>)")
@@ -125,6 +128,10 @@ def on_page_content(html: str, page, config, files):
 
 
 def on_post_page(output: str, page, config):
+    # The theme reads a sitemap.xml beside each <link rel="alternate"> it finds, taking them for
+    # the roots of the languages; here they are the page's other versions, where there is none.
+    # The language switcher's links already lead to the page's other version.
+    output = ALTERNATE.sub("", output)
     output = _wrap_lines(EMPTY_SCRIPT.sub("", output))
     if not _is_notebook(page):
         return output
@@ -136,6 +143,15 @@ def on_post_page(output: str, page, config):
         return script
 
     return SCRIPT.sub(keep, output)
+
+
+def on_config(config):
+    # Notebooks are pages (mkdocs-jupyter renders them), but the i18n plugin rebuilds each file
+    # as a plain File, which calls only Markdown files pages: it would copy a notebook's JSON
+    # to the page's place. Counted as pages, they are rendered in each language, in English.
+    if ".ipynb" not in mkdocs.utils.markdown_extensions:
+        mkdocs.utils.markdown_extensions = (*mkdocs.utils.markdown_extensions, ".ipynb")
+    return config
 
 
 def on_post_build(config):

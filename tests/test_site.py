@@ -1,7 +1,10 @@
 """The documentation site stands alone: every page works offline, in a real browser.
 
 The tests marked ``docs`` need the built site (``make docs-build`` runs them); the others
-read the sources and run with every other test.
+read the sources and run with every other test. Beyond staying offline, the site keeps to
+the learner's path (footers: stage page, tutorial, exercise, next stage), fits the column at
+1280 px, and is built in English and in Chinese (under ``zh/``), each page one click from
+its other version, search finding pages in both.
 
 The site is ``$MINIPAGED_SITE`` when set (``make test`` builds it with the executed
 notebooks first), otherwise it is built here. Two checks:
@@ -136,8 +139,13 @@ def test_the_check_finds_what_it_looks_for():
         "https://x.example/i.png"]
 
 
+LANGUAGES = {"en": "", "zh": "zh/"}  # each language's folder in the site
+
+
 @docs
-def test_notebook_pages_can_be_downloaded_and_link_to_their_stage_and_exercise(site):
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_notebook_pages_can_be_downloaded_and_link_to_their_stage_and_exercise(site, language):
+    site = site / LANGUAGES[language]  # the Chinese site shows the English notebooks
     notebooks = sorted((site / "tutorials").glob("*.html"))
     assert len(notebooks) == len(list((ROOT / "tutorials").glob("*.ipynb")))
     for page in notebooks:
@@ -199,8 +207,10 @@ def _requests(browser) -> list[str]:
 
 
 # A page of each kind: prose with formulas, a notebook with formulas and figures, the home page.
-PAGES_WITH_MATH = ["stages/5_triton_attention.html", "tutorials/05_triton_kernel.html"]
-PAGES = ["index.html", *PAGES_WITH_MATH, "tutorials/09_prefix_caching.html", "stages/1_block_allocator.html"]
+PAGES_WITH_MATH = ["stages/5_triton_attention.html", "tutorials/05_triton_kernel.html",
+                   "zh/stages/5_triton_attention.html", "zh/tutorials/05_triton_kernel.html"]
+PAGES = ["index.html", *PAGES_WITH_MATH, "tutorials/09_prefix_caching.html", "stages/1_block_allocator.html",
+         "zh/index.html", "zh/glossary.html"]
 
 
 @docs
@@ -366,9 +376,12 @@ def test_the_path_check_finds_a_page_out_of_order():
 
 
 @docs
-def test_the_footers_lead_along_the_learners_path(site):
-    forward = _walk(site, "index.html", "next")
-    _check_learners_path(forward)
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_the_footers_lead_along_the_learners_path(site, language):
+    folder = LANGUAGES[language]
+    forward = _walk(site, f"{folder}index.html", "next")
+    assert all(page.startswith(folder) for page in forward), "the footers leave the language"
+    _check_learners_path([page.removeprefix(folder) for page in forward])
     assert _walk(site, forward[-1], "prev") == forward[::-1]
 
 
@@ -479,3 +492,82 @@ def test_names_in_table_cells_may_break_after_punctuation_only():
     assert hooks._breakable_names(html) == (
         '<p><code>a_b.c</code></p><table><tr><td><code>vllm/<wbr>v1/<wbr>kv_<wbr>cache_<wbr>manager.'
         '<wbr>py</code></td><td><a href="x_y.html"><code>f(<wbr>a,<wbr> b)</code></a></td></tr></table>')
+
+
+# ---------------------------------------------------------------------------------------------
+# Two languages: English at the root, Chinese under zh/. A page written in Chinese
+# (docs/<path>.zh.md) is zh/<path>.html; any other page is the English one in the Chinese
+# site's frame (navigation, footers, language). The language switcher leads to the same page
+# in the other language, and search finds pages in both.
+
+class _PageLanguage(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.lang, self.switcher = None, {}
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "html":
+            self.lang = attrs.get("lang")
+        if tag == "a" and "md-select__link" in (attrs.get("class") or "") and attrs.get("hreflang"):
+            self.switcher[attrs["hreflang"]] = attrs["href"]
+
+
+CJK = re.compile(r"[\u4e00-\u9fff]")
+ARTICLE = re.compile(r'<article class="md-content__inner[^"]*">(.*?)</article>', re.S)
+
+
+@docs
+def test_every_page_leads_to_itself_in_the_other_language(site):
+    pages = [page for page in _site_pages(site) if not page.endswith("404.html")]
+    assert any(page.startswith("zh/tutorials/") for page in pages)
+    for page in pages:
+        language = "zh" if page.startswith("zh/") else "en"
+        parser = _PageLanguage()
+        parser.feed((site / page).read_text(encoding="utf-8"))
+        assert parser.lang == language, page
+        assert set(parser.switcher) == set(LANGUAGES), page
+        same = page.removeprefix(LANGUAGES[language])
+        for other, href in parser.switcher.items():
+            target = urljoin(f"http://site/{page}", href).removeprefix("http://site/")
+            assert target == LANGUAGES[other] + same and (site / target).is_file(), (page, href)
+
+
+@docs
+def test_pages_written_in_chinese_are_shown_in_chinese_and_the_rest_in_english(site):
+    translated = sorted(path.relative_to(ROOT / "docs") for path in (ROOT / "docs").rglob("*.zh.md"))
+    assert Path("index.zh.md") in translated and Path("glossary.zh.md") in translated
+    for source in translated:
+        page = str(source).removesuffix(".zh.md") + ".html"
+        chinese = ARTICLE.search((site / "zh" / page).read_text(encoding="utf-8")).group(1)
+        english = ARTICLE.search((site / page).read_text(encoding="utf-8")).group(1)
+        chinese, english = len(CJK.findall(_text_of(chinese))), len(CJK.findall(_text_of(english)))
+        assert chinese > 50 and english < chinese / 4, page  # the glossary gives Chinese names
+    for page in ("exercises/stage0.html", "tutorials/00_contiguous_kv_cache.html"):
+        html = (site / "zh" / page).read_text(encoding="utf-8")
+        assert _text_of(ARTICLE.search(html).group(1)) == _text_of(ARTICLE.search(
+            (site / page).read_text(encoding="utf-8")).group(1)), page  # the English page
+        assert "练习 0" in html and "教程 00" in html  # in the Chinese site's navigation
+
+
+def _text_of(html: str) -> str:
+    from html import unescape
+
+    return re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", html))).strip()
+
+
+@docs
+@pytest.mark.parametrize("page, query, found", [
+    ("index.html", "allocator", "stages/1_block_allocator.html"),
+    ("zh/index.html", "块分配器", "zh/stages/1_block_allocator.html"),
+], ids=["en", "zh"])
+def test_search_finds_pages_in_each_language(page, query, found, served, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{served}/{page}")
+    browser.execute_script("document.querySelector('#__search').checked = true")
+    browser.find_element(By.CSS_SELECTOR, "input.md-search__input").send_keys(query)
+    results = WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda b: b.execute_script(
+        "return [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)"))
+    assert f"{served}/{found}" in [result.split("#")[0] for result in results], results[:8]
