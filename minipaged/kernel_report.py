@@ -212,45 +212,50 @@ def _compile_all(todo: list[tuple], divisibility: bool) -> list[dict]:
     return rows
 
 
-def _jobs_worker(kwargs: dict) -> list[tuple]:
-    return jobs(**kwargs)
+def _worker() -> None:
+    """A worker process: the table on stdin (JSON), its compiled rows on stdout (JSON)."""
+    import json
+    import sys
+
+    args = json.loads(sys.stdin.read())
+    table = {k: tuple(v) for k, v in args["table"].items()}
+    json.dump(_compile_all(jobs(**table), args["divisibility"]), sys.stdout)
 
 
 def report(divisibility: bool = True, processes: int | None = None, **table) -> list[KernelReport]:
-    """Compile every kernel of the table (``jobs``' arguments) in fresh processes.
+    """Compile every kernel of the table (``jobs``' arguments) in fresh Python processes.
 
-    Spawned, so that Triton starts in compiler mode whatever this process did; spread over
-    ``processes`` workers (the CPUs by default). ``divisibility=False`` compiles as if no
-    argument were known to be a multiple of 16, to show what the specialisation buys.
+    Fresh, so that Triton starts in compiler mode whatever this process did (a notebook or a
+    test runs the interpreter); the same ``minipaged`` as this one, so that in an exercise
+    workspace it compiles the learner's kernels. The head dims are spread over ``processes``
+    workers (the CPUs by default). ``divisibility=False`` compiles as if no argument were
+    known to be a multiple of 16, to show what the specialisation buys.
     """
-    import multiprocessing
+    import json
+    import subprocess
+    import sys
 
-    context = multiprocessing.get_context("spawn")
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # inherited by the workers, before they import Triton
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default today, said out loud
-    try:
-        return _report(context, table, divisibility, processes)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-def _report(context, table: dict, divisibility: bool, processes: int | None) -> list[KernelReport]:
-    with context.Pool(1) as pool:
-        todo = pool.apply(_jobs_worker, (table,))
-    processes = max(1, min(processes or os.cpu_count() or 1, len(todo)))
-    by_kernel: dict[str, list] = {}
-    for job in todo:  # a worker gets whole kernels, so that its cache of launches pays
-        by_kernel.setdefault(repr((job[0].kernel, job[1], job[2])), []).append(job)
-    chunks = [[] for _ in range(processes)]
-    for i, group in enumerate(by_kernel.values()):
-        chunks[i % processes] += group
-    with context.Pool(processes) as pool:
-        parts = pool.starmap(_compile_all, [(chunk, divisibility) for chunk in chunks if chunk])
-    return [KernelReport(**row) for part in parts for row in part]
+    full = dict(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, groups=GROUPS,
+                block_sizes=BLOCK_SIZES) | table
+    head_dims = list(full["head_dims"])
+    processes = max(1, min(processes or os.cpu_count() or 1, len(head_dims)))
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    workers = []
+    for i in range(processes):
+        part = dict(full, head_dims=head_dims[i::processes])
+        worker = subprocess.Popen([sys.executable, "-c", "from minipaged.kernel_report import _worker; _worker()"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env, cwd=package_root)
+        workers.append((worker, json.dumps({"table": part, "divisibility": divisibility})))
+    rows = []
+    for worker, request in workers:
+        out, err = worker.communicate(request)
+        if worker.returncode:
+            raise RuntimeError(f"compiling failed: {err.strip().splitlines()[-1] if err.strip() else worker.returncode}")
+        rows += [KernelReport(**row) for row in json.loads(out)]
+    return rows
 
 
 def format_row(r: KernelReport) -> str:
