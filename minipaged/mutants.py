@@ -176,6 +176,23 @@ CATALOGUE: list[Mutant] = [
                                                           "for start in range(0, len(token_ids) // size * size, size):")),
     m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break", "            if block_id is None:\n                continue")),
     m(9, "hits are not counted", ("        self.num_hits += 1\n", "")),
+    # stage 10: V1's scheduler
+    m(10, "decodes are not charged to the budget", ("            budget -= n\n            i += 1", "            budget -= n if n > 1 else 0\n            i += 1")),
+    m(10, "a running prompt's chunk exceeds the budget", ("n = min(len(seq) - seq.num_computed_tokens, budget)", "n = len(seq) - seq.num_computed_tokens")),
+    m(10, "the last admitted prompt is not cut to the budget", ("n = min(len(seq) - computed, budget)", "n = len(seq) - computed")),
+    m(10, "the oldest running request is preempted", ("victim = self.running.pop()  # the newest", "victim = self.running.pop(0)")),
+    m(10, "a preempted request goes to the back of waiting", ("self.waiting.insert(0, request)", "self.waiting.append(request)")),
+    m(10, "a recomputed request forgets its generated tokens", ("return self.manager.allocate(seq.seq_id, seq.token_ids)",
+                                                              "return self.manager.allocate(seq.seq_id, seq.prompt_token_ids)")),
+    m(10, "a cached prefix is computed again", ("            return self.manager.allocate(seq.seq_id, seq.token_ids)\n",
+                                               "            self.manager.allocate(seq.seq_id, seq.token_ids)\n            return 0\n")),
+    m(10, "a decode is refused the last free block", ("- before > manager.num_free_blocks:", "- before >= manager.num_free_blocks:")),
+    m(10, "admitted past max_num_seqs", ("len(self.running) < self.max_num_seqs", "len(self.running) <= self.max_num_seqs")),
+    m(10, "a prompt's unfinished chunk samples a token", ("done = seq_lens == batch.num_tokens[rows]", "done = seq_lens > 0")),
+    m(10, "a chunk's positions start at 0", ("positions = batch.num_computed_tokens[rows][owner] + torch.arange", "positions = torch.arange")),
+    m(10, "new blocks overwrite the row's last ones", ("        self.num_blocks[row] += len(cached.new_block_ids)\n", "")),
+    m(10, "the sampled token never reaches the persistent batch", ("        self.num_tokens[row] += len(cached.new_token_ids)\n", "")),
+    m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n", "")),
 ]
 
 

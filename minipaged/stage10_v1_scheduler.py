@@ -10,7 +10,7 @@ prompts. vLLM V1 has no phases. A request is its tokens and how many of them are
    that needs a block when none is free preempts the **newest** running request by
    **recompute** — its blocks freed, back to the *front* of ``waiting``, its
    ``num_computed_tokens`` back to 0 (no swap in V1).
-2. **Waiting requests, oldest first**, if nothing was preempted: while budget, blocks and
+2. **Waiting requests, oldest first**: while budget, blocks and
    ``max_num_seqs`` last. Prefix caching is always on: stage 9's ``allocate`` takes the
    cached prefix, so a request starts at its first uncached token (stage 9 never takes
    the block of the last token, so it is always computed). The last request admitted
@@ -196,9 +196,10 @@ class V1Scheduler:
            finds room for them; if not, preempt the newest running request (the last of
            ``running``), possibly the one asking (then stop), and try again. Every scheduled
            token — decodes too — comes off the budget.
-        2. Unless something was preempted in this step: waiting requests, oldest first, while budget
-           is left and fewer than ``max_num_seqs`` run; stop at the first that ``allocate_prompt``
-           refuses. An admitted request joins the end of ``running`` with ``num_computed_tokens``
+        2. Waiting requests, oldest first, while budget is left and fewer than ``max_num_seqs`` run;
+           stop at the first that ``allocate_prompt`` refuses. (V1 admits nothing in a step that
+           preempted; here that is no rule of its own: the request just preempted heads the queue
+           and cannot fit, its blocks being one fewer than it needs.) An admitted request joins the end of ``running`` with ``num_computed_tokens``
            set to what ``allocate_prompt`` found and gets ``n`` tokens as above.
 
         At the end every scheduled request's ``num_computed_tokens`` grows by its ``n`` (V1 counts
@@ -357,7 +358,7 @@ class V1Engine(LLMEngine):
 
     def step(self):
         """Schedule, run the model, sample for the requests that finished their prompt, return outputs."""
-        out = self.scheduler.schedule()
+        out = self.last_scheduler_output = self.scheduler.schedule()  # kept for pictures of the steps
         if not out.num_scheduled_tokens:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run although requests remain")

@@ -519,3 +519,47 @@ def plot_engine_steps(records: list[dict], num_blocks: int, title=None):
     fig.align_ylabels()
     fig.tight_layout()
     return fig
+
+
+def plot_token_budget(outputs: list, budget: int, labels: dict | None = None, ax=None, title=None):
+    """Stage 10's steps: one bar per step, one segment per request, the tokens it computed in it.
+
+    ``outputs``: the ``SchedulerOutput`` of each step, in order. A decode (its new token fed
+    back from the step before) is a plain segment; a prompt's chunk is hatched and labelled
+    with its size; a request preempted in a step is marked with a cross above its bar. The
+    dashed line is the token budget.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ids = list(dict.fromkeys(r for out in outputs for r in out.num_scheduled_tokens))
+    color = {r: SEQ_COLORS[i % len(SEQ_COLORS)] for i, r in enumerate(ids)}
+    labels = labels or {}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3), layout="constrained")
+    for step, out in enumerate(outputs, start=1):
+        decodes = {c.req_id for c in out.scheduled_cached_reqs if c.new_token_ids}
+        bottom = 0
+        for req_id, n in out.num_scheduled_tokens.items():
+            chunk = req_id not in decodes
+            ax.bar(step, n, bottom=bottom, width=0.8, color=color[req_id], edgecolor="white", lw=0.6,
+                   hatch="///" if chunk else None, alpha=0.75 if chunk else 1.0)
+            if chunk and n >= budget / 6:
+                ax.text(step, bottom + n / 2, str(n), ha="center", va="center", fontsize=8, color="black")
+            bottom += n
+        for k, _ in enumerate(out.preempted_req_ids):
+            ax.plot(step, bottom + 0.04 * budget * (k + 1), "x", color="#d62728", mew=2, ms=7)
+    ax.axhline(budget, color="#555555", ls="--", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens computed")
+    ax.set_xlim(0.4, len(outputs) + 0.6)
+    ax.set_ylim(0, budget * 1.25)
+    handles = [Patch(facecolor=color[r], label=str(labels.get(r, r))) for r in ids]
+    handles += [Patch(facecolor="white", edgecolor="#555555", hatch="///", label="prompt chunk"),
+                plt.Line2D([], [], color="#555555", ls="--", label=f"budget ({budget})")]
+    if any(out.preempted_req_ids for out in outputs):
+        handles.append(plt.Line2D([], [], color="#d62728", marker="x", ls="", mew=2, label="preempted"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1), frameon=False, fontsize=9)
+    if title:
+        ax.set_title(title, loc="left")
+    return ax

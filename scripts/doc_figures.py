@@ -344,9 +344,33 @@ def paged_memory():
     _save(fig, "paged_memory.svg")
 
 
+def token_budget():
+    """Stage 10: one token budget per step; decodes first, then a long prompt in chunks."""
+    import torch
+
+    from minipaged.stage10_v1_scheduler import LLM
+    from minipaged.viz import plot_token_budget
+
+    torch.set_num_threads(1)
+    llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("A", 5), ("B", 7)], 2: [("C", 40)], 3: [("D", 3)]}  # step: (request, prompt length)
+    outputs, step = [], 0
+    while step in arrivals or llm.engine.has_unfinished_requests() or step < max(arrivals):
+        for name, length in arrivals.get(step, []):
+            llm.engine.add_request(name, {"prompt_token_ids": list(range(20 * ord(name), 20 * ord(name) + length))},
+                                   params)
+        llm.engine.step()
+        outputs.append(llm.engine.last_scheduler_output)
+        step += 1
+    fig, ax = plt.subplots(figsize=(7.2, 2.8), layout="constrained")
+    plot_token_budget(outputs, 16, labels={"A": "A (5 tokens)", "B": "B (7)", "C": "C (40)", "D": "D (3)"}, ax=ax)
+    _save(fig, "token_budget.svg")
+
+
 def main():
     for draw in (paged_memory, contiguous_waste, block_pool, block_table, copy_on_write, gather, split_kv,
-                 schedule, engine_components, parallel_sampling, prefix_cache):
+                 schedule, engine_components, parallel_sampling, prefix_cache, token_budget):
         draw()
     print(f"wrote {len(list(OUT.glob('*.svg')))} figures to {OUT.relative_to(ROOT)}")
 

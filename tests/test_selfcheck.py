@@ -604,3 +604,104 @@ def test_stage9_text_shared_system_prompt():
                 f"{stats[False]['prefill_tokens']} prefill tokens without caching, {stats[True]['prefill_tokens']} "
                 f"with ({stats[True]['prefix_cache_hits']} block hits)")
     assert expected in " ".join(PAGES[9].read_text(encoding="utf-8").split())
+
+
+# Stage 10 ------------------------------------------------------------------------------------
+
+PAGE10 = STAGES / "10_v1_scheduler.md"
+
+
+def check10(index: int, *expected) -> None:
+    """Question ``index`` of stage 10's page (and of its translation) answers ``expected``."""
+    want = [normal(e) for e in expected]
+    for page in (PAGE10, PAGE10.with_name("10_v1_scheduler.zh.md")):
+        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+
+
+def v1_scheduler(budget: int, block_size: int = 4, num_blocks: int = 64):
+    from minipaged.stage10_v1_scheduler import KVCacheManager, V1Scheduler
+
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(num_blocks), block_size)
+    return V1Scheduler(KVCacheManager(manager), max_num_batched_tokens=budget,
+                       max_model_len=num_blocks * block_size)
+
+
+def v1_add(scheduler, name, prompt, max_tokens=4):
+    from minipaged.stage7_engine import Request, SampledSequence
+
+    request = Request(name, [SampledSequence(list(prompt))], max_tokens)
+    scheduler.add(request)
+    return request
+
+
+def v1_step(scheduler) -> dict:
+    """One step, the model played by appending token 7 to each request whose tokens are all computed."""
+    out = scheduler.schedule()
+    for request in out.scheduled:
+        seq = request.seqs[0]
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(7)
+            if len(seq.output_token_ids) == request.max_tokens:
+                scheduler.finish(seq)
+    return out
+
+
+def test_stage10_page_ends_with_a_self_check_and_an_interview_answer():
+    for page, headings in ((PAGE10, ("## Self-check", "## Explain it in an interview")),
+                           (PAGE10.with_name("10_v1_scheduler.zh.md"), ("{#self-check}", "{#explain-it-in-an-interview}"))):
+        text = page.read_text(encoding="utf-8")
+        assert 4 <= len(answers(page)) <= 6 and len(answers(page)) == len(answers(PAGE10)), page.name
+        assert text.index(headings[0]) < text.index(headings[1]), page.name
+        assert [bool(bold_spans(page, i)) for i in range(len(answers(page)))] == [True] * 4 + [False]  # 5th: in words
+
+
+def test_stage10_a_long_prompt_behind_three_decodes():
+    scheduler = v1_scheduler(budget=16)
+    for name in "abc":
+        v1_add(scheduler, name, [ord(name)], max_tokens=20)
+    v1_step(scheduler)
+    prompt = v1_add(scheduler, "p", range(100, 140))
+    first, steps = None, 0
+    while not prompt.seqs[0].output_token_ids:
+        out = v1_step(scheduler)
+        steps += 1
+        first = first or out.num_scheduled_tokens["p"]
+    check10(0, first, steps)
+
+
+def test_stage10_a_budget_of_one_token():
+    scheduler = v1_scheduler(budget=1)
+    v1_add(scheduler, "a", range(10, 15), max_tokens=3)
+    steps = 0
+    while scheduler.has_unfinished():
+        v1_step(scheduler)
+        steps += 1
+    check10(1, steps)
+
+
+def test_stage10_a_cached_prefix_then_chunks():
+    scheduler = v1_scheduler(budget=64, block_size=16)
+    v1_add(scheduler, "a", range(100, 150), max_tokens=2)
+    while scheduler.has_unfinished():
+        v1_step(scheduler)
+    scheduler.max_num_batched_tokens = 8
+    new = v1_add(scheduler, "b", list(range(100, 140)) + list(range(500, 510)))
+    cached = v1_step(scheduler).scheduled_new_reqs[0].num_computed_tokens
+    steps = 1
+    while not new.seqs[0].output_token_ids:
+        v1_step(scheduler)
+        steps += 1
+    check10(2, cached, steps)
+
+
+def test_stage10_the_newest_running_request_is_preempted():
+    scheduler = v1_scheduler(budget=64, num_blocks=6)
+    for name in "ABC":
+        v1_add(scheduler, name, [ord(name)] * 4, max_tokens=9)  # one full block each
+    v1_step(scheduler)
+    v1_step(scheduler)  # each decodes into a second block: all 6 are in use
+    out = v1_step(scheduler)
+    while not out.preempted:
+        out = v1_step(scheduler)
+    assert list(out.num_scheduled_tokens)[0] == "A"
+    check10(3, out.preempted[0].request_id)

@@ -347,7 +347,7 @@ def _step(page: str) -> str:
 
 LEARNERS_PATH = ["exercises/index", *[f"{kind} {n}" for n in range(10)
                                       for kind in ("stage", "tutorial", "exercise")],
-                 "tutorial 10", "serving", "benchmarks"]
+                 "tutorial 10", "serving", "stage 10", "tutorial 11", "exercise 10", "benchmarks"]
 
 
 def _check_learners_path(pages: list[str]) -> None:
@@ -364,7 +364,8 @@ def test_the_path_check_finds_a_page_out_of_order():
     good = ["index.html", "exercises/index.html", "glossary.html"]
     for n in range(10):
         good += [f"stages/{n}_x.html", f"tutorials/{n:02d}_x.html", f"exercises/stage{n}.html"]
-    good += ["tutorials/10_serving.html", "serving.html", "benchmarks.html", "api.html"]
+    good += ["tutorials/10_serving.html", "serving.html", "stages/10_x.html", "tutorials/11_x.html",
+             "exercises/stage10.html", "benchmarks.html", "api.html"]
     _check_learners_path(good)
     swapped = good.copy()
     swapped[4], swapped[5] = swapped[5], swapped[4]  # tutorial 0 before its stage page

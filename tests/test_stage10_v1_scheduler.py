@@ -183,7 +183,7 @@ def test_the_newest_running_request_is_preempted_by_recompute_to_the_front_of_wa
         step(scheduler)  # both fill their third blocks; the next decode needs 2 blocks, 0 are free
     scheduled, out = step(scheduler)
     assert [r.request_id for r in out.preempted] == ["b"] and out.preempted_req_ids == ["b"]
-    assert scheduled == {"a": 1}  # nothing admitted in a step that preempted
+    assert scheduled == {"a": 1}  # b, at the head of waiting, does not fit; c may not pass it
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # the front of waiting, before c
     assert b.seqs[0].num_computed_tokens == 0 and len(b.seqs[0].output_token_ids) == 5  # kept, to recompute
     assert scheduler.num_preemptions == 1 and a.seqs[0].output_token_ids == [7] * 6
@@ -303,6 +303,8 @@ def test_a_running_request_reaches_the_runner_as_its_new_token_and_new_blocks_on
 
 def test_one_sequence_per_request_and_recompute_only():
     llm = LLM("tiny", num_gpu_blocks=16)
+    (served,) = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(served.outputs[0].token_ids) == 2
     with pytest.raises(ValueError):
         llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(n=2), use_tqdm=False)
     with pytest.raises(ValueError):
