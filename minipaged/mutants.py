@@ -37,6 +37,19 @@ def m(stage: int, name: str, *patches: tuple[str, str]) -> Mutant:
     return Mutant(stage, name, tuple(patches))
 
 
+# stage 7's three cuts, whole, so that a mutant can put them in another order
+_TEMPERATURE = "    logits = logits / params.temperature\n"
+_TOP_K = """    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+"""
+_TOP_P = """    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+"""
+
 CATALOGUE: list[Mutant] = [
     # stage 0: the contiguous cache
     m(0, "pow2 rounds down", ("return min(1 << (need - 1).bit_length(), self.max_model_len)",
@@ -56,6 +69,9 @@ CATALOGUE: list[Mutant] = [
     # stage 1: the block allocator
     m(1, "the highest id first", ("self._free_stack = list(range(num_blocks - 1, -1, -1))",
                                   "self._free_stack = list(range(num_blocks))")),
+    m(1, "the lowest free id first, always", ("        self._free_stack.append(block_id)\n",
+                                              "        self._free_stack.append(block_id)\n        self._free_stack.sort(reverse=True)\n")),
+    m(1, "a freed block goes to the bottom of the stack", ("self._free_stack.append(block_id)", "self._free_stack.insert(0, block_id)")),
     m(1, "allocate takes one block too few", ("ids = [self._free_stack.pop() for _ in range(num_blocks)]",
                                              "ids = [self._free_stack.pop() for _ in range(num_blocks - 1)]")),
     m(1, "not all or nothing", ("        if num_blocks > len(self._free_stack):\n            raise OutOfBlocksError(num_blocks, len(self._free_stack))\n",
@@ -79,6 +95,18 @@ CATALOGUE: list[Mutant] = [
                                                  "return num_tokens // self.block_size <= self.num_free_blocks")),
     m(2, "gather keeps the padding", ("keys = key_cache[ids].flatten(0, 1)[:seq_len]",
                                      "keys = key_cache[ids].flatten(0, 1)[-seq_len:]")),
+    m(2, "blocks_needed adds a block to an exact multiple", ("return -(-num_tokens // self.block_size)", "return num_tokens // self.block_size + 1")),
+    m(2, "can_allocate wants a block to spare", ("return self.blocks_needed(num_tokens) <= self.num_free_blocks",
+                                               "return self.blocks_needed(num_tokens) < self.num_free_blocks")),
+    m(2, "can_append_slot always wants a free block", (
+        "return self.table(seq_id).num_tokens % self.block_size != 0 or self.num_free_blocks > 0",
+        "return self.num_free_blocks > 0")),
+    m(2, "can_append_slot thinks a full block has room", (
+        "return self.table(seq_id).num_tokens % self.block_size != 0 or self.num_free_blocks > 0",
+        "return self.table(seq_id).num_tokens <= len(self.table(seq_id).block_ids) * self.block_size or self.num_free_blocks > 0")),
+    m(2, "write skips slot 0", ("keep = slot_mapping >= 0", "keep = slot_mapping > 0")),
+    m(2, "gather misses the last block when it is exactly full", ("num_blocks = -(-seq_len // key_cache.shape[1])",
+                                                                 "num_blocks = max(seq_len - 1, 0) // key_cache.shape[1] + (seq_len % key_cache.shape[1] != 0)")),
     # stage 3: reference counts, fork, copy-on-write
     m(3, "fork forgets incref", ("        for block_id in parent.block_ids:\n            self.allocator.incref(block_id)\n", "")),
     m(3, "free returns a shared block", ("        if self._ref_counts[block_id] == 0:\n            self.pool.free(block_id)",
@@ -142,6 +170,31 @@ CATALOGUE: list[Mutant] = [
                                                   "return self._distinct_blocks(self.swapped_tables, seq_ids) + watermark <= self.num_free_blocks")),
     m(6, "shared blocks are swapped once per sequence", ("self._distinct_blocks(self.block_tables, seq_ids) <= self.cpu_allocator.num_free_blocks)",
                                                         "sum(len(self.block_tables[s].block_ids) for s in seq_ids) <= self.cpu_allocator.num_free_blocks)")),
+    m(6, "swap-in ignores the token budget", ("if (len(seqs) > budget or num_seqs", "if (num_seqs")),
+    m(6, "swap-in ignores the watermark", ("or not manager.can_swap_in(ids, watermark)):", "or not manager.can_swap_in(ids)):")),
+    m(6, "swap-ins do not count against the admission budget", (
+        "budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
+        "budget, num_seqs, watermark = budget, num_seqs + group.max_num_running_seqs(), self.watermark_blocks")),
+    m(6, "swap-ins do not count against max_num_seqs", (
+        "budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
+        "budget, num_seqs, watermark = budget - len(seqs), num_seqs, self.watermark_blocks")),
+    m(6, "the watermark stays off after a swap-in", (
+        "budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
+        "budget, num_seqs = budget - len(seqs), num_seqs + group.max_num_running_seqs()")),
+    m(6, "the watermark stays off after an admission", (
+        "num_seqs, watermark = num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
+        "num_seqs = num_seqs + group.max_num_running_seqs()")),
+    m(6, "admission wants a block to spare", ("needed + watermark > manager.num_free_blocks", "needed + watermark >= manager.num_free_blocks")),
+    m(6, "can_swap_in: a shared last block needs no new block", (
+        "growing = sum(t.num_tokens % self.block_size == 0 or lasts.count(t.block_ids[-1]) > 1 for t in tables)",
+        "growing = sum(t.num_tokens % self.block_size == 0 for t in tables)")),
+    m(6, "can_swap_in ignores the watermark", ("seq_ids) + growing + watermark <= self.num_free_blocks", "seq_ids) + growing <= self.num_free_blocks")),
+    m(6, "can_swap_in wants a block to spare", ("seq_ids) + growing + watermark <= self.num_free_blocks", "seq_ids) + growing + watermark < self.num_free_blocks")),
+    m(6, "can_swap_in counts a shared block once per sequence", (
+        "return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark",
+        "return sum(len(t.block_ids) for t in tables) + growing + watermark")),
+    m(6, "swapped-out blocks are not counted", ("            self.num_swapped_out_blocks += len(pairs)\n", "")),
+    m(6, "swapped-in blocks are not counted", ("            self.num_swapped_in_blocks += len(pairs)\n", "")),
     # stage 7: the engine
     m(7, "temperature multiplies", ("logits = logits / params.temperature", "logits = logits * params.temperature")),
     m(7, "top-k keeps one too many", ("kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth",
@@ -154,6 +207,17 @@ CATALOGUE: list[Mutant] = [
     m(7, "swap-ins are not applied", ("        self.cache.swap_in(out.blocks_to_swap_in)\n", "")),
     m(7, "sampling ignores the sequence's generator", ("return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
                                                       "return int(torch.multinomial(probs.cpu(), 1))")),
+    m(7, "top-p before top-k", (_TOP_K + _TOP_P, _TOP_P + _TOP_K)),
+    m(7, "temperature after the cuts", (_TEMPERATURE + _TOP_K + _TOP_P, _TOP_K + _TOP_P + _TEMPERATURE)),
+    m(7, "top-k drops the ties at the k-th value", (
+        "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth, float(\"-inf\"))",
+        "kept = torch.topk(logits, params.top_k).indices\n        logits = torch.full_like(logits, float(\"-inf\")).scatter(0, kept, logits[kept])")),
+    m(7, "top-p keeps every token tied with the one that crosses it", (
+        "logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float(\"-inf\"))",
+        "logits = logits.masked_fill(logits < sorted_logits[(~drop).sum() - 1], float(\"-inf\"))")),
+    m(7, "top-p sums the mass in vocabulary order", (
+        "sorted_logits, order = torch.sort(logits, descending=True)",
+        "sorted_logits, order = logits, torch.arange(logits.numel())")),
     # stage 8: forks and beams
     m(8, "forks do not share blocks", ("        self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)\n",
                                        "        self.scheduler.block_manager.allocate(child.seq_id, child.token_ids)\n")),

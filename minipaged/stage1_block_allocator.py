@@ -72,7 +72,11 @@ class BlockAllocator:
         # END SOLUTION
 
     def allocate(self, num_blocks: int = 1) -> list[int]:
-        """Take ``num_blocks`` free blocks and return their ids, lowest free id first.
+        """Take ``num_blocks`` free blocks off the top of the free stack and return their ids.
+
+        The order is last in, first out: a fresh pool hands out ``0, 1, 2, ...``; a freed block
+        goes back on top, so the most recently freed block comes out first (after ``free(2)``,
+        ``free(5)``, ``allocate(2)`` returns ``[5, 2]``), as vLLM V0's naive allocator does.
 
         All or nothing: ``OutOfBlocksError`` (with ``num_requested`` and ``num_free``) if
         fewer are free, and then nothing is taken. ``ValueError`` for a negative count.

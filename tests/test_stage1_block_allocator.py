@@ -32,6 +32,16 @@ def test_lowest_ids_first_and_freed_blocks_are_reused():
     assert allocator.allocate() == [1]
 
 
+def test_the_most_recently_freed_block_is_handed_out_first():
+    allocator = BlockAllocator(8)
+    assert allocator.allocate(6) == [0, 1, 2, 3, 4, 5]
+    allocator.free(2)
+    allocator.free(5)
+    assert allocator.allocate(1) == [5]  # last in, first out: not the lowest free id
+    allocator.free(0)
+    assert allocator.allocate(3) == [0, 2, 6]  # then the fresh ids, in increasing order
+
+
 def test_allocate_is_all_or_nothing():
     allocator = BlockAllocator(5)
     assert allocator.allocate(3) == [0, 1, 2]
