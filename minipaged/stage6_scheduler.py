@@ -312,19 +312,39 @@ class Scheduler:
            running sequences. When ``can_append_slots`` says no, preempt the newest running group
            (the last of ``running``), possibly the one asking, until it says yes.
         2. Unless something was preempted in this step: swap in swapped groups, oldest first,
-           stopping at the first that does not fit — ``can_swap_in`` with the watermark (none when
-           nothing runs), ``max_num_seqs`` counting every sequence a group may run, and the token
+           stopping at the first that does not fit — ``can_swap_in`` with the watermark, the
+           running sequences plus every sequence the group may run (``max_num_running_seqs``)
+           within ``max_num_seqs``, and its swapped sequences (one token each) within the token
            budget — then give each of its sequences its next slot and schedule one token each.
         3. Unless something was preempted in this step or anything waits in swap: admit waiting
-           groups, oldest first, stopping at the first that does not fit — its blocks plus the
-           watermark must be free, ``max_num_seqs`` as above, and its tokens within the budget
-           left after this step's decodes (a group larger than the whole budget runs alone);
-           ``allocate`` each sequence and schedule its tokens not already in the cache.
+           groups, oldest first, stopping at the first that does not fit — the blocks of its
+           waiting sequences (``blocks_needed`` of each one's full length) plus the watermark must
+           be free, ``max_num_seqs`` as above, and its tokens (each waiting sequence's full
+           length) within the budget left (a group larger than the whole budget runs alone, when
+           nothing else is scheduled yet); ``allocate`` each sequence, set its
+           ``num_computed_tokens`` to what ``allocate`` returns, and schedule the tokens not
+           already in the cache.
+
+        The token budget starts at ``max_num_batched_tokens``; every token scheduled in this step
+        comes off it — the decodes', the swap-ins', and each admitted group's scheduled tokens —
+        and ``max_num_seqs`` counts the swapped-in and admitted groups likewise. The watermark is
+        ``watermark_blocks`` while something runs — a group decoded, swapped in or admitted in
+        this step — and 0 while nothing does (nothing could free blocks then).
 
         A preempted group is swapped out whole if the mode is ``swap`` and ``can_swap_out`` says
-        the CPU pool has room; otherwise it is recomputed: its blocks freed, ``num_computed_tokens``
-        set to 0, back in ``waiting``. Queues stay in arrival order. Returns the batch, the block
-        moves of the step, and the groups it preempted.
+        the CPU pool has room: its running sequences marked ``SWAPPED``, the group in ``swapped``,
+        its ``(gpu, cpu)`` pairs in ``blocks_to_swap_out`` and their number added to
+        ``num_swapped_out_blocks``. Otherwise it is recomputed: its blocks freed,
+        ``num_computed_tokens`` set to 0, marked ``WAITING``, back in ``waiting``. A swap-in adds
+        its ``(cpu, gpu)`` pairs to ``blocks_to_swap_in`` and their number to
+        ``num_swapped_in_blocks``. Queues stay in arrival order.
+
+        Returns the batch, the block moves of the step, and the groups it preempted. Each phase
+        lists its groups in the order it takes them, a group's sequences together; the order of
+        the phases within ``scheduled`` is not a rule (the runner takes any order). This one lists
+        decodes first; vLLM V0's default scheduler runs a step of prefills alone when nothing is
+        swapped, and mixes prefills with decodes (listing prefills first) only with chunked
+        prefill; V1 schedules running requests before waiting ones under one token budget.
         """
         out, manager = SchedulerOutput(), self.block_manager
         self.running = [g for g in self.running if not g.is_finished()]

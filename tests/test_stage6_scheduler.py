@@ -32,12 +32,17 @@ def test_outputs_under_preemption_equal_outputs_with_unlimited_memory(mode, seed
     requests = workload(seed)
     unlimited, _ = serve(*make(4096), requests)
     scheduler, cache = make(18, mode, num_cpu_blocks=64 if mode == "swap" else 0)
-    squeezed, _ = serve(scheduler, cache, requests)
+    moved = {"out": 0, "in": 0}
+
+    def count_moves(_, out):
+        moved["out"] += len(out.blocks_to_swap_out)
+        moved["in"] += len(out.blocks_to_swap_in)
+
+    squeezed, _ = serve(scheduler, cache, requests, check=count_moves)
     assert squeezed == unlimited
     assert scheduler.num_preemptions >= 5  # the small cache really forced preemptions
-    if mode == "swap":
-        assert scheduler.num_swapped_out_blocks > 0
-        assert scheduler.num_swapped_in_blocks == scheduler.num_swapped_out_blocks
+    if mode == "swap":  # blocks really went to the CPU, and every one came back
+        assert moved["out"] > 0 and moved["in"] == moved["out"]
     assert scheduler.block_manager.num_free_blocks == 18  # nothing leaked
 
 
@@ -75,8 +80,8 @@ def test_continuous_batching_admits_new_prompts_while_others_decode():
     assert out.scheduled == [(first, 3)]
     first.append_token(7)
     second = add(scheduler, [4, 5], 5)
-    out = scheduler.schedule()
-    assert out.scheduled == [(first, 1), (second, 2)]  # a decode and a prefill in one batch
+    out = scheduler.schedule()  # a decode and a prefill in one batch; their order in it is not a rule
+    assert len(out.scheduled) == 2 and dict(out.scheduled) == {first: 1, second: 2}
     assert first.status is second.status is SequenceStatus.RUNNING
 
 
@@ -158,8 +163,14 @@ def test_random_load_on_a_tiny_cache(requests, mode, num_blocks, block_size):
 def fork_group(scheduler, prompt, width, max_tokens=8):
     """A request of ``width`` sequences sharing its prompt's blocks, prefilled and forked."""
     parent = add(scheduler, prompt, max_tokens, width=width)
-    group = scheduler.running[-1] if scheduler.schedule().scheduled else None
-    assert group is not None and group.seqs == [parent]
+    assert scheduler.schedule().scheduled == [(parent, len(prompt))]
+    return fork_running(scheduler, parent, width)
+
+
+def fork_running(scheduler, parent, width):
+    """Give the running ``parent`` a generated token and fork it into ``width`` sequences of its group."""
+    group = group_of(scheduler, parent)
+    assert group.seqs == [parent] and parent.status is SequenceStatus.RUNNING
     parent.append_token(1)
     for _ in range(width - 1):
         child = Sequence(list(parent.prompt_token_ids), list(parent.output_token_ids),
@@ -342,3 +353,107 @@ def test_shared_blocks_need_cpu_room_once():
     manager.fork("a", "c")
     assert manager.can_swap_out(["a", "b", "c"])  # 2 distinct blocks, 2 CPU blocks
     assert len(manager.swap_out(["a", "b", "c"])) == 2
+
+
+def with_free(manager, num_free):
+    """Hold blocks so that exactly ``num_free`` GPU blocks are free; return the holder's id to free."""
+    holder = object()
+    manager.allocate(holder, range((manager.num_free_blocks - num_free) * manager.block_size))
+    assert manager.num_free_blocks == num_free
+    return holder
+
+
+def test_can_swap_in_counts_distinct_blocks_each_next_token_and_the_watermark():
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(8), 4, RefCountedBlockAllocator(8))
+    manager.allocate("a", range(9))  # blocks of 4, 4 and 1 tokens
+    manager.fork("a", "b")
+    manager.fork("a", "c")
+    manager.allocate("d", range(8))  # two full blocks
+    manager.swap_out(["a", "b", "c"])
+    manager.swap_out(["d"])
+    # a, b, c: 3 distinct blocks, and a new block each, since their last block is shared
+    for num_free, fits in ((4, False), (6, True)):
+        holder = with_free(manager, num_free)
+        assert manager.can_swap_in(["a", "b", "c"]) is fits
+        assert manager.can_swap_in(["a", "b", "c"], watermark=1) is False
+        manager.free(holder)
+    # d: 2 blocks, and a new one since its last block is full
+    for num_free, fits in ((2, False), (3, True)):
+        holder = with_free(manager, num_free)
+        assert manager.can_swap_in(["d"]) is fits
+        assert manager.can_swap_in(["d"], watermark=num_free - 2) is False
+        manager.free(holder)
+
+
+@pytest.mark.parametrize("num_decodes", [5, 6])
+def test_rule_swap_in_stays_within_the_token_budget(num_decodes):
+    scheduler, _ = make(32, "swap", num_cpu_blocks=16, max_model_len=8, max_num_batched_tokens=8)
+    parent = add(scheduler, [1, 1], 4, width=3)
+    others = [add(scheduler, [2], 4) for _ in range(num_decodes)]
+    assert len(scheduler.schedule().scheduled) == 1 + num_decodes  # 2 + 6 tokens at most: all admitted
+    group = fork_running(scheduler, parent, 3)
+    for seq in others:
+        seq.append_token(1)
+    preempt(scheduler, group)  # 3 sequences in swap, one token each to come back
+    out = scheduler.schedule()  # the decodes leave 8 - num_decodes tokens of the budget
+    swapped_in = num_decodes + 3 <= 8
+    assert len(out.scheduled) == num_decodes + 3 * swapped_in
+    assert all(s.status is (SequenceStatus.RUNNING if swapped_in else SequenceStatus.SWAPPED) for s in group.seqs)
+
+
+def test_rule_swap_in_keeps_the_watermark_free():
+    scheduler, _ = make(20, "swap", num_cpu_blocks=8, max_model_len=64, watermark=0.1)  # a watermark of 2
+    a, f, s = admitted_then_decoding(scheduler, [2, 55, 12])  # 1 + 14 + 3 blocks
+    preempt(scheduler, group_of(scheduler, s))  # s needs 3 blocks + 1 for its next token; 5 are free
+    out = scheduler.schedule()  # a and f decode in blocks they hold: 5 free, but 4 + 2 > 5
+    assert [q for q, _ in out.scheduled] == [a, f] and s.status is SequenceStatus.SWAPPED
+
+
+def swapped_alone(scheduler, prompt, width):
+    """A group of ``width`` sequences, swapped out, with nothing running."""
+    parent = add(scheduler, prompt, 4, width=width)
+    assert scheduler.schedule().scheduled == [(parent, len(prompt))]
+    group = fork_running(scheduler, parent, width)
+    preempt(scheduler, group)
+    assert not scheduler.running and scheduler.swapped == [group]
+    return group
+
+
+@pytest.mark.parametrize("prompt_len", [5, 6])
+def test_rule_swap_ins_count_against_the_admission_budget(prompt_len):
+    scheduler, _ = make(32, "swap", num_cpu_blocks=16, max_model_len=8, max_num_batched_tokens=8)
+    group = swapped_alone(scheduler, [1, 1], width=3)
+    late = add(scheduler, [2] * prompt_len, 2)
+    out = scheduler.schedule()  # 3 swap-ins leave 5 tokens of the budget
+    assert out.scheduled_groups[0] is group
+    assert (late.status is SequenceStatus.RUNNING) is (prompt_len <= 5)
+
+
+def test_rule_swap_ins_count_against_max_num_seqs():
+    scheduler, _ = make(32, "swap", num_cpu_blocks=16, max_model_len=8, max_num_seqs=4)
+    group = swapped_alone(scheduler, [1, 1], width=3)
+    late = add(scheduler, [2] * 3, 2, width=2)  # 3 + 2 > 4 sequences
+    assert scheduler.schedule().scheduled_groups == [group] and late.status is SequenceStatus.WAITING
+
+
+def test_rule_the_watermark_applies_once_a_swap_in_runs():
+    scheduler, _ = make(10, "swap", num_cpu_blocks=8, max_model_len=24, watermark=0.2)  # a watermark of 2
+    group = swapped_alone(scheduler, [1] * 12, width=1)  # 3 blocks + 1 to grow: in without a watermark
+    late = add(scheduler, [2] * 20, 4)  # 5 blocks: 6 are free after the swap-in, but 5 + 2 > 6
+    assert scheduler.schedule().scheduled_groups == [group] and late.status is SequenceStatus.WAITING
+
+
+def test_rule_the_watermark_applies_once_an_admission_runs():
+    scheduler, _ = make(10, max_model_len=28, watermark=0.2)  # a watermark of 2
+    first = add(scheduler, [1] * 12, 4)  # 3 blocks, nothing runs: no watermark
+    second = add(scheduler, [2] * 24, 4)  # 6 blocks: 7 are free, but 6 + 2 > 7
+    assert scheduler.schedule().scheduled == [(first, 12)] and second.status is SequenceStatus.WAITING
+
+
+def test_counters_count_the_blocks_swapped_out_and_in():
+    scheduler, _ = make(16, "swap", num_cpu_blocks=16, max_model_len=32)
+    group = fork_group(scheduler, [1] * 9, width=3)  # 3 blocks, all shared
+    preempt(scheduler, group)
+    assert (scheduler.num_swapped_out_blocks, scheduler.num_swapped_in_blocks) == (3, 0)  # each block once
+    scheduler.schedule()
+    assert (scheduler.num_swapped_out_blocks, scheduler.num_swapped_in_blocks) == (3, 3)
