@@ -83,9 +83,13 @@ class Request(SequenceGroup):
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p: ``(vocab,)`` float32 logits, the cut ones at -inf.
 
-    Logits are divided by the temperature; ``top_k > 0`` keeps the ``top_k`` largest (ties at
-    the k-th value kept); ``top_p < 1`` keeps the smallest set of most likely tokens whose
-    probability reaches ``top_p`` (the token that crosses it included).
+    In this order, each on the result of the one before: logits are divided by the
+    temperature (the kept logits are the divided ones); ``top_k > 0`` keeps the ``top_k``
+    largest (every token tied with the k-th value kept); ``top_p < 1`` keeps the smallest set
+    of most likely tokens whose probability — the softmax of what top-k left — reaches
+    ``top_p``: the token that crosses it is kept, so a tiny ``top_p`` keeps exactly the most
+    likely token; among tokens tied in probability only as many as the set needs are kept
+    (which of them is free).
     """
     # BEGIN SOLUTION divide by the temperature; keep the top_k largest; keep the smallest set reaching top_p
     logits = logits / params.temperature

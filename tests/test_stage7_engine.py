@@ -84,6 +84,37 @@ def test_sampling_matches_its_definitions():
     assert sample(logits, SamplingParams(temperature=0), gen) == 0
 
 
+def kept(logits, **params):
+    """The indices that ``process_logits`` leaves finite."""
+    return process_logits(torch.tensor(logits), SamplingParams(**params)).isfinite().nonzero().flatten().tolist()
+
+
+def test_sampling_cuts_apply_in_order_temperature_then_top_k_then_top_p():
+    logits = [2.0, 1.0, 0.5, 0.0, -1.0]  # probabilities 0.563, 0.207, 0.126, 0.076, 0.028
+    # top-k first: the two left hold 0.731 and 0.269, and 0.731 alone reaches 0.7;
+    # top-p first would keep 0.563 + 0.207 (two tokens), which top-k then keeps too
+    assert kept(logits, top_k=2, top_p=0.7) == [0]
+    # temperature first: at 0.5 the top token holds 0.829 >= 0.8 alone; before it, three tokens are needed
+    assert kept(logits, temperature=0.5, top_p=0.8) == [0]
+    out = process_logits(torch.tensor(logits), SamplingParams(temperature=0.5, top_k=3))
+    assert torch.allclose(out[:3], torch.tensor(logits[:3]) / 0.5)  # the kept logits are the tempered ones
+
+
+def test_top_k_keeps_the_ties_at_the_k_th_value():
+    assert kept([1.0, 3.0, 2.0, 2.0, 0.0], top_k=2) == [1, 2, 3]
+    assert kept([1.0, 3.0, 2.0, 2.0, 0.0], top_k=5) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_that_reaches_it():
+    logits = [0.0, -1.0, 2.0, 0.5, 1.0]  # the fixture above, shuffled: 0.076, 0.028, 0.563, 0.126, 0.207
+    assert kept(logits, top_p=0.8) == [2, 3, 4]  # 0.563 + 0.207 < 0.8 <= + 0.126: the crossing token is kept
+    assert kept(logits, top_p=1e-6) == [2]  # a tiny p keeps exactly the most likely token
+    assert kept(logits, top_p=0.76) == [2, 4]  # 0.563 < 0.76 <= 0.563 + 0.207
+    # ties: four equal tokens; half the mass is reached by two of them, so exactly two are kept
+    assert len(kept([0.0, 0.0, 0.0, 0.0], top_p=0.5)) == 2
+    assert len(kept([0.0, 0.0, 0.0, 0.0], top_p=0.6)) == 3
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoints, name):
     path, hf_model = checkpoints[name]
