@@ -92,8 +92,11 @@ class Source:
             if folded:
                 any_folded = True
                 last = first + len(lines) - 1
+                marker = lines[0].strip()
+                hint = marker[len(BEGIN):].strip(" :-—") if marker.startswith(BEGIN) else ""
+                hint = f": {html.escape(hint)}" if hint else ""
                 body = (f'<details class="minipaged-solution"><summary style="{SUMMARY_STYLE}">'
-                        f"show the solution (lines {first}–{last})</summary>{body}</details>")
+                        f"show the solution (lines {first}–{last}){hint}</summary>{body}</details>")
             pieces.append(body)
         legend = " · folded: the stage's solution" if any_folded else ""
         return (
