@@ -84,8 +84,8 @@ def wait_for_events(out, count=1, timeout=30):
                          ids=["greedy", "seeded-n2"])
 def test_a_request_that_breaks_a_step_fails_alone_and_the_others_finish_their_full_text(served, reference,
                                                                                         sampling):
-    body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, **sampling}
-    params = SamplingParams(max_tokens=60, ignore_eos=True, **sampling)
+    body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, **sampling}  # long: still running when
+    params = SamplingParams(max_tokens=240, ignore_eos=True, **sampling)  # the bad request decodes
     want = [o.text for o in reference.generate([PROMPT], params, use_tqdm=False)[0].outputs]
     before = metric_samples(served.url)
     failures = served.llm.engine.sampler.failures
