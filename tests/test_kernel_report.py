@@ -1,6 +1,8 @@
 """Stage 5's kernels compiled for A100 (sm_80) and H100 (sm_90) on this CPU: no spills,
 vectorised K/V loads, and the report's readings checked against what they claim."""
 
+import ast
+
 import pytest
 
 from minipaged import kernel_report as kr
@@ -142,3 +144,30 @@ def test_the_stage_page_states_the_computed_roofline():
     flops_per_byte = (2 * 2 * group_pad * head_dim) / (2 * head_dim * 2)
     assert f"**{flops_per_byte:.0f}** FLOPs" in page
     assert f"{kr.padding_waste(7, 80)[1]:.1%} of the lanes" in page
+
+
+def test_the_stubs_of_an_exercise_workspace_compile_for_a_gpu_and_print_their_hints(tmp_path):
+    """A learner with a GPU gets the hint, not a compile error: the stubs compile (AOT, sm_90)."""
+    import os
+    import subprocess
+    import sys
+
+    from minipaged.exercise import PACKAGE_DIR, make_workspace, solution_regions
+
+    workspace = make_workspace(5, tmp_path / "ex5")
+    code = ("from minipaged import kernel_report as kr\n"
+            "print('package', kr.__file__)\n"
+            "for launch in kr.launches(128, 8, 16):\n"
+            "    kr.compile_launch(launch, 90)\n"
+            "    print('compiled', launch.kernel)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(workspace),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}  # a cached kernel is not compiled, and prints nothing
+    done = subprocess.run([sys.executable, "-c", code], cwd=workspace, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"package {workspace.resolve()}" in done.stdout  # the workspace's code, not the reference's
+    assert done.stdout.count("compiled") == 4
+    source = (PACKAGE_DIR / "stage5_triton_attention.py").read_text()
+    kernels = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name in KERNELS]
+    hints = [hint for begin, _, hint in solution_regions(source)
+             if any(k.lineno <= begin <= k.end_lineno for k in kernels)]
+    assert len(hints) == 4 and [h for h in hints if h not in done.stdout] == []  # printed while compiling
