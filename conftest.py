@@ -6,6 +6,7 @@ interpreter must be switched on before Triton is first imported, whoever imports
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,16 @@ if Path(minipaged.__file__).resolve().parent != ROOT / "minipaged":
 
 
 def pytest_collection_modifyitems(config, items):
-    """For the mutant catalogue: tests that build checkpoints run last, so a mutant fails sooner."""
+    """For the mutant catalogue: tests that build checkpoints run last, so a mutant fails sooner.
+
+    ``pytest -k stage1`` selects stage 1's tests and not stage 10's: in the one test command,
+    a stage's number is read whole (pytest alone matches ``stage1`` inside ``stage10``)."""
     if os.environ.get("MINIPAGED_CHEAP_TESTS_FIRST"):
         items.sort(key=lambda item: "checkpoints" in getattr(item, "fixturenames", ()))
+    stage = re.fullmatch(r"\s*stage(\d+)\s*", config.getoption("keyword") or "", re.I)
+    if stage:
+        whole = re.compile(rf"stage{stage.group(1)}(?!\d)", re.I)
+        other = [item for item in items if not any(whole.search(name) for name in item.keywords)]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if item not in other]

@@ -291,6 +291,16 @@ def test_the_test_command_check_finds_marker_selections():
     assert _other_test_commands('cd ex0 && pytest -k stage0\n`pytest -k "stage6 and rule_"`') == []
 
 
+def test_the_test_command_selects_one_stage_and_no_stage_whose_number_begins_alike():
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-k", "stage1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    selected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert any("test_stage1_block_allocator.py::" in test for test in selected), done.stdout[-2000:]
+    assert all(re.search(r"stage1(?!\d)", test) for test in selected), selected
+    if list((ROOT / "tests").glob("test_stage1[0-9]_*.py")):  # stage 10 exists: it must not be picked
+        assert not [test for test in selected if re.search(r"stage1\d", test)]
+
+
 def test_every_page_notebook_and_message_shows_one_test_command():
     texts = _shown_texts()
     assert any(name.startswith("tutorials/") for name in texts) and "README.md" in texts
