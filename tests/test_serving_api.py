@@ -300,3 +300,16 @@ def test_the_api_key_guards_the_v1_routes_as_vllm_does():
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
     finally:
         server.close()
+
+
+def test_a_served_model_name_is_the_only_name_the_api_knows():
+    server = ThreadServer(model_name="my-model", model_path="tiny")
+    try:
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "my-model"
+        assert post(server.url, model="tiny", prompt="hi", max_tokens=1).status_code == 404
+        assert post(server.url, model="my-model", prompt="hi", max_tokens=1).json()["model"] == "my-model"
+        chat = post(server.url, "/v1/chat/completions", model="my-model", max_tokens=2,
+                    messages=[{"role": "user", "content": "hi"}])  # the template is read from the model folder
+        assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    finally:
+        server.close()
