@@ -193,6 +193,11 @@ CATALOGUE: list[Mutant] = [
     m(6, "can_swap_in counts a shared block once per sequence", (
         "return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark",
         "return sum(len(t.block_ids) for t in tables) + growing + watermark")),
+    m(6, "admission schedules the cached tokens too", (
+        "self._run(group, [(s, len(s) - s.num_computed_tokens) for s in seqs], out)",
+        "self._run(group, [(s, len(s)) for s in seqs], out)")),
+    m(6, "admission spends the full length of the budget", ("budget -= sum(n for _, n in out.scheduled[-len(seqs):])",
+                                                            "budget -= sum(len(s) for s in seqs)")),
     m(6, "swapped-out blocks are not counted", ("            self.num_swapped_out_blocks += len(pairs)\n", "")),
     m(6, "swapped-in blocks are not counted", ("            self.num_swapped_in_blocks += len(pairs)\n", "")),
     # stage 7: the engine

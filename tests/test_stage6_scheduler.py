@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage6_scheduler import (
+    Scheduler,
     SchedulerOutput,
     Sequence,
     SequenceStatus,
@@ -457,3 +458,21 @@ def test_counters_count_the_blocks_swapped_out_and_in():
     assert (scheduler.num_swapped_out_blocks, scheduler.num_swapped_in_blocks) == (3, 0)  # each block once
     scheduler.schedule()
     assert (scheduler.num_swapped_out_blocks, scheduler.num_swapped_in_blocks) == (3, 3)
+
+
+class FourCachedTokens(SwapBlockSpaceManager):
+    """A manager that reports the first 4 tokens of every new sequence as already in the cache."""
+
+    def allocate(self, seq_id, token_ids):
+        super().allocate(seq_id, token_ids)
+        return min(4, len(token_ids) - 1)
+
+
+def test_rule_admission_schedules_and_spends_only_the_tokens_not_in_the_cache():
+    manager = FourCachedTokens(RefCountedBlockAllocator(32), 4)
+    scheduler = Scheduler(manager, max_model_len=16, max_num_batched_tokens=16)
+    a = add(scheduler, [1] * 12, 4)
+    b = add(scheduler, [2] * 8, 4)  # 8 tokens: they fit the 16 - 8 left after a's uncached ones
+    out = scheduler.schedule()
+    assert dict(out.scheduled) == {a: 8, b: 4}
+    assert a.num_computed_tokens == b.num_computed_tokens == 4
