@@ -10,8 +10,8 @@ prompts. vLLM V1 has no phases. A request is its tokens and how many of them are
    that needs a block when none is free preempts the **newest** running request by
    **recompute** — its blocks freed, back to the *front* of ``waiting``, its
    ``num_computed_tokens`` back to 0 (no swap in V1).
-2. **Waiting requests, oldest first**: while budget, blocks and
-   ``max_num_seqs`` last. Prefix caching is always on: stage 9's ``allocate`` takes the
+2. **Waiting requests, oldest first**, while budget, blocks and ``max_num_seqs`` last; the
+   first that does not fit stops the others. Prefix caching is always on: stage 9's ``allocate`` takes the
    cached prefix, so a request starts at its first uncached token (stage 9 never takes
    the block of the last token, so it is always computed). The last request admitted
    may get only a chunk of its prompt.
@@ -157,7 +157,9 @@ class V1Scheduler:
         """A running sequence is done: its blocks go back, and the runner drops its row next step."""
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
-        self.finished_req_ids.append(self.request_of(seq).request_id)
+        request_id = self.request_of(seq).request_id
+        self.finished_req_ids.append(request_id)
+        self.num_tokens_sent.pop(request_id, None)
 
     def request_of(self, seq: Sequence) -> Request:
         return next(r for r in self.running if r.seqs[0] is seq)
@@ -172,13 +174,14 @@ class V1Scheduler:
                         self.kv_cache_manager.free(seq)
                     seq.status = SequenceStatus.FINISHED
                     self.finished_req_ids.append(request_id)
+                    self.num_tokens_sent.pop(request_id, None)
                     return True
         return False
 
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute: free the blocks, forget the computed tokens, back to the front of ``waiting``."""
         seq = request.seqs[0]
-        # BEGIN SOLUTION
+        # BEGIN SOLUTION free its blocks, num_computed_tokens to 0, WAITING, at the front of waiting
         self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

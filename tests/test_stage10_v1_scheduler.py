@@ -80,7 +80,7 @@ def assert_same(got, expected):
         assert [mine[t] for t in theirs] == pytest.approx(list(theirs.values()), abs=1e-4)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(budget=st.one_of(st.integers(1, 6), st.integers(7, 48), st.just(4096)), num_blocks=st.integers(12, 40),
        order=st.permutations(range(len(POOL))), steps=st.lists(st.integers(0, 12), min_size=len(POOL),
                                                                max_size=len(POOL)),
