@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.exercise import make_workspace, solution_functions, solution_regions, stage_files
+from minipaged.exercise import (
+    make_workspace,
+    solution_functions,
+    solution_regions,
+    stage_files,
+    tutorial_for,
+)
 from minipaged.show import show
 from minipaged.stage1_block_allocator import BlockAllocator
 
@@ -36,9 +42,9 @@ def not_shown(path: Path, notebook: Path) -> list[str]:
             if not shown & set(name.split("."))]
 
 
-@pytest.mark.parametrize("stage", range(10))
+@pytest.mark.parametrize("stage", sorted(stage_files()))
 def test_each_notebook_shows_every_function_that_holds_its_stages_solution(stage):
-    notebook = next((ROOT / "tutorials").glob(f"{stage:02d}_*.ipynb"))
+    notebook = ROOT / tutorial_for(stage)
     missing = not_shown(stage_files()[stage], notebook)
     assert not missing, f"{notebook.name} does not show {missing}"
 
