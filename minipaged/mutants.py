@@ -66,6 +66,15 @@ CATALOGUE: list[Mutant] = [
                                               "scores = scores.masked_fill(k_pos >= q_pos, float(\"-inf\"))")),
     m(0, "grouped heads repeat the wrong way", ("k = key.float().repeat_interleave(group, dim=1)",
                                                "k = key.float().repeat(1, group, 1)")),
+    m(0, "pow2 doubles an exact power of two", ("return min(1 << (need - 1).bit_length(), self.max_model_len)",
+                                               "return min(1 << need.bit_length(), self.max_model_len)")),
+    m(0, "a slab cannot be filled to its last slot", ("if slab.num_tokens + num_tokens > slab.size:",
+                                                     "if slab.num_tokens + num_tokens >= slab.size:")),
+    m(0, "a hole as long as the next reservation counts as external", (
+        "external = 0 if next_reservation is None else sum(h for h in holes if h < next_reservation)",
+        "external = 0 if next_reservation is None else sum(h for h in holes if h <= next_reservation)")),
+    m(0, "allocate skips a hole of exactly the size", ("start = next((s for s, length in holes if length >= size), None)",
+                                                      "start = next((s for s, length in holes if length > size), None)")),
     # stage 1: the block allocator
     m(1, "the highest id first", ("self._free_stack = list(range(num_blocks - 1, -1, -1))",
                                   "self._free_stack = list(range(num_blocks))")),
@@ -118,6 +127,9 @@ CATALOGUE: list[Mutant] = [
     m(3, "copy_blocks copies destination to source", ("cache[dst] = cache[src]", "cache[src] = cache[dst]")),
     m(3, "the child's table is the parent's list", ("child = BlockTable(list(parent.block_ids), parent.num_tokens)",
                                                    "child = BlockTable(parent.block_ids, parent.num_tokens)")),
+    m(3, "a full shared last block is copied too", (
+        "        if table.num_tokens % self.block_size != 0:\n            last = table.block_ids[-1]\n            if self.ref_count(last) > 1:",
+        "        if True:\n            last = table.block_ids[-1]\n            if self.ref_count(last) > 1:")),
     # stage 4: the reference attention
     m(4, "batched decode ignores scale", ("attn_mask=in_use[:, None, None, :], scale=scale,", "attn_mask=in_use[:, None, None, :],")),
     m(4, "batched decode sees one slot too many", ("in_use = positions[None, :] < seq_lens[:, None]",
