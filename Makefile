@@ -24,11 +24,12 @@ demo: $(STAMP)
 # ruff, every test, the mutant catalogue, every notebook (executed), and the documentation site (strict).
 test: lint browser unit mutants notebooks docs-build
 
-# A headless browser for the live page's test: Debian's chromium, where this machine can install it.
+# A headless browser for the live page's and the site's tests: Debian's chromium, with a CJK
+# font so that the Chinese pages are measured in real glyphs, where this machine can install them.
 browser:
-	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	@{ command -v chromium && command -v chromedriver && fc-list :lang=zh | grep -q .; } >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver fonts-noto-cjk >/dev/null; } || \
 	  echo "no chromium here: the live page's browser test will be skipped"
 
 lint: $(STAMP)
