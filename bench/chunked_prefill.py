@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from minipaged import SamplingParams  # noqa: E402
 from minipaged.stage9_prefix_caching import LLM as Stage9LLM  # noqa: E402
 from minipaged.stage10_v1_scheduler import LLM as Stage10LLM  # noqa: E402
+from minipaged.threads import apply_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LONG_PROMPT, SHORT_PROMPT, BUDGETS = 480, 16, (64, 256, 1024)
@@ -72,9 +73,11 @@ def run(llm, shorts: list[list[int]], long_prompt: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 decoding requests instead of 32, one repeat")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for every side (default: 1)")
     args = parser.parse_args()
     results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
-    torch.set_num_threads(1)
+    threads = apply_threads(args.threads)
+    print(f"{threads} torch thread(s) for every side")
     rng = random.Random(0)
     count, repeats = (16, 1) if args.quick else (32, 5)
     shorts = [[rng.randrange(1, 2000) for _ in range(SHORT_PROMPT)] for _ in range(count)]
@@ -89,13 +92,14 @@ def main() -> None:
         reference = reference or runs[0]["tokens"]
         assert all(r["tokens"] == reference for r in runs), f"{name} changed an output"
         rows[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "tokens"}  # of each measure
+        rows[name]["threads"] = torch.get_num_threads()
         r = rows[name]
         print(f"{name:<24} inter-token p50 {r['itl_p50_ms']:6.1f} ms  p99 {r['itl_p99_ms']:6.1f} ms  "
               f"worst step {r['worst_step_ms']:6.1f} ms  long prompt's first token {r['ttft_ms']:6.1f} ms "
               f"({r['steps']:.0f} steps)")
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "chunked_prefill.json").write_text(json.dumps(
-        {"decoding_requests": count, "long_prompt": LONG_PROMPT, "rows": rows}, indent=2))
+        {"decoding_requests": count, "long_prompt": LONG_PROMPT, "threads": threads, "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
     names, width = list(rows), 0.27
     for k, (key, label) in enumerate((("itl_p99_ms", "inter-token latency p99"), ("worst_step_ms", "worst step"),

@@ -37,6 +37,7 @@ transformers.logging.set_verbosity_error()
 from minipaged.models import resolve_model_path  # noqa: E402
 from minipaged.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import LLM, SamplingParams  # noqa: E402
+from minipaged.threads import apply_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, help="max_num_seqs and transformers' batch size (default: 16, 32, 64)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="torch CPU threads for every side (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the saved results (bench/results/throughput.json), measuring nothing")
     args = parser.parse_args()
@@ -144,6 +146,7 @@ def main() -> None:
         plot(data, results_dir / "throughput.png")
         print(headline(data["rows"]))
         return
+    threads = apply_threads(args.threads)  # one count for every side: minipaged and both transformers runs
     torch.manual_seed(0)
     path = resolve_model_path(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
@@ -157,7 +160,8 @@ def main() -> None:
     outputs = [r.output_len for r in trace]
     wanted = sum(outputs)
     print(f"{len(trace)} requests, mean prompt {sum(map(len, prompts)) / len(prompts):.0f}, mean output "
-          f"{wanted / len(trace):.0f} tokens, max {max_len}; {args.device}")
+          f"{wanted / len(trace):.0f} tokens, max {max_len}; {args.device}, "
+          f"{threads} torch thread(s) for every side")
 
     batches = [args.batch] if args.batch else ([32] if args.quick else [16, 32, 64])
     cb_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -180,7 +184,8 @@ def main() -> None:
         rows.append({"batch": batch, "minipaged_tps": wanted / ours, "transformers_tps": wanted / static,
                      "transformers_cb_tps": wanted / continuous, "ratio": static / ours,
                      "ratio_cb": continuous / ours, "outside_forward": 1 - timer.seconds / ours,
-                     "identical_to_cb": same, "engine_steps": llm.stats["steps"]})
+                     "identical_to_cb": same, "engine_steps": llm.stats["steps"],
+                     "threads": {"minipaged": threads, "transformers": threads, "transformers_cb": threads}})
         print(f"batch {batch:>3}: minipaged {wanted / ours:8.1f} tokens/s ({llm.stats['steps']} steps, "
               f"{100 * (1 - timer.seconds / ours):.0f}% outside the forward), generate {wanted / static:8.1f}, "
               f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours:.1f}x and "
@@ -188,7 +193,7 @@ def main() -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "throughput.json").write_text(json.dumps(
         {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
-         "rows": rows}, indent=2))
+         "threads": threads, "rows": rows}, indent=2))
     plot(json.loads((results_dir / "throughput.json").read_text()), results_dir / "throughput.png")
     print(headline(rows))
 

@@ -36,8 +36,17 @@ def _mutants(args: argparse.Namespace) -> int:
     return 0 if all(r.killed for r in results) else 1
 
 
+def _set_threads(args: argparse.Namespace) -> None:
+    from minipaged.threads import apply_threads
+
+    n = apply_threads(args.threads)
+    print(f"torch threads: {n} ({'--threads' if args.threads else 'free cores'})", file=sys.stderr)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from minipaged.serving import serve
+
+    _set_threads(args)
 
     serve(args.model, args.host, args.port, args.max_waiting, api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
           shutdown_timeout=args.shutdown_timeout, max_logprobs=args.max_logprobs,
@@ -96,6 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
         synthetic_requests,
     )
 
+    _set_threads(args)
     _engine_demo(args)
     requests = synthetic_requests(args.requests, rate=args.rate, seed=args.seed)
     print(f"Where the memory goes: {len(requests)} ShareGPT-like requests (mean prompt "
@@ -119,6 +129,7 @@ def _kernels(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from minipaged import LLM, SamplingParams
 
+    _set_threads(args)
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching)
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback only)")
@@ -197,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20, help="larger bodies get HTTP 413")
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")
@@ -207,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=16384)
     p.add_argument("--rate", type=float, default=0.2, help="arrivals per decode step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)
