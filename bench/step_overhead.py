@@ -1,0 +1,109 @@
+"""How much of a decode step is spent outside the model's forward: stage 7 vs stage 10.
+
+Stage 7's runner rebuilds every step's inputs (token ids, positions, slot mapping, block
+tables) from Python lists of every running sequence; stage 10 keeps a persistent
+``InputBatch`` and only writes what changed. The point of the persistent batch is the time
+around the forward pass, so this measures exactly that: with 16 and 64 requests in steady
+decode on the tiny model (CPU), the wall time of ``engine.step()`` and, inside it, the time
+of the model's own ``forward`` and ``compute_logits`` (wrapped here, from the outside), each
+summed over the decode steps of a run; the share outside the forward is ``1 - forward /
+step``, the median of 5 runs of 200 steps (one of 16 with --quick). The thread count and the machine's load are
+recorded. Writes bench/results/step_overhead.json (bench/results/quick/ with --quick); the
+last line is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minipaged import SamplingParams
+from minipaged.stage7_engine import LLM as Stage7LLM
+from minipaged.stage10_v1_scheduler import LLM as Stage10LLM
+from minipaged.threads import apply_threads
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT = 16
+ENGINES = {"stage 7": Stage7LLM, "stage 10": Stage10LLM}
+
+
+class Timed:
+    """Replaces one method of the model instance with a timed call to the original."""
+
+    def __init__(self, fn, clock: dict) -> None:
+        self.fn, self.clock = fn, clock
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.clock["forward"] += time.perf_counter() - start
+
+
+def run(llm_class, batch: int, steps: int, seed: int) -> dict:
+    llm = llm_class("tiny", max_num_seqs=batch, num_gpu_blocks=1024, max_model_len=512)
+    clock = {"forward": 0.0}
+    for name in ("forward", "compute_logits"):  # instance attributes win over the class's methods
+        setattr(llm.model, name, Timed(getattr(llm.model, name), clock))
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        llm.engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(1, 2000) for _ in range(PROMPT)]},
+                               params)
+    for _ in range(4):  # the prompts (one step for all of them at this size), then a few decodes to warm up
+        llm.engine.step()
+    clock["forward"], step_seconds = 0.0, 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = llm.engine.step()
+        step_seconds += time.perf_counter() - start
+        assert len(outputs) == batch and not any(o.finished for o in outputs), "not a steady decode step"
+    return {"step_ms": 1000 * step_seconds / steps, "forward_ms": 1000 * clock["forward"] / steps,
+            "outside_ms": 1000 * (step_seconds - clock["forward"]) / steps,
+            "outside_share": 1 - clock["forward"] / step_seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 decode steps and one run (default: 200 and 5)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: the free cores)")
+    args = parser.parse_args()
+    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    threads = apply_threads(args.threads)
+    steps, repeats = (16, 1) if args.quick else (200, 5)
+    load_before = os.getloadavg()[0]
+    print(f"tiny model, CPU ({platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores), "
+          f"{threads} torch thread(s), load {load_before:.2f}; {steps} decode steps, median of {repeats}")
+    rows = []
+    for batch in (16, 64):
+        for engine, cls in ENGINES.items():
+            runs = [run(cls, batch, steps, seed) for seed in range(repeats)]
+            row = {"engine": engine, "batch": batch, "threads": threads,
+                   **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+            rows.append(row)
+            print(f"batch {batch:>3} {engine:<9} step {row['step_ms']:6.2f} ms, forward {row['forward_ms']:6.2f} ms, "
+                  f"outside {row['outside_ms']:5.2f} ms ({100 * row['outside_share']:4.1f}% of the step)")
+    load_after = os.getloadavg()[0]
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "step_overhead.json").write_text(json.dumps(
+        {"model": "tiny", "device": "cpu", "cores": len(os.sched_getaffinity(0)), "threads": threads,
+         "torch_threads": torch.get_num_threads(), "load_before": load_before, "load_after": load_after,
+         "decode_steps": steps, "repeats": repeats, "rows": rows}, indent=2))
+    by = {(r["engine"], r["batch"]): r for r in rows}
+    print("outside the forward, stage 7 -> stage 10: " + ", ".join(
+        f"batch {b} {by['stage 7', b]['outside_ms']:.2f} -> {by['stage 10', b]['outside_ms']:.2f} ms "
+        f"({100 * by['stage 7', b]['outside_share']:.0f}% -> {100 * by['stage 10', b]['outside_share']:.0f}%)"
+        for b in (16, 64)))
+
+
+if __name__ == "__main__":
+    main()
