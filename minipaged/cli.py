@@ -36,17 +36,18 @@ def _mutants(args: argparse.Namespace) -> int:
     return 0 if all(r.killed for r in results) else 1
 
 
-def _set_threads(args: argparse.Namespace) -> None:
+def _set_threads(args: argparse.Namespace, quiet: bool = False) -> None:
     from minipaged.threads import apply_threads
 
     n = apply_threads(args.threads)
-    print(f"torch threads: {n} ({'--threads' if args.threads else 'free cores'})", file=sys.stderr)
+    if not quiet:  # serve says it in its one startup line
+        print(f"torch threads: {n} ({'--threads' if args.threads else 'free cores'})", file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from minipaged.serving import serve
 
-    _set_threads(args)
+    _set_threads(args, quiet=True)
 
     serve(args.model, args.host, args.port, args.max_waiting, api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
           shutdown_timeout=args.shutdown_timeout, max_logprobs=args.max_logprobs,
@@ -54,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
           served_model_name=args.served_model_name, block_size=args.block_size,
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
-          device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching)
+          device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching,
+          scheduler=args.scheduler)
     return 0
 
 
@@ -210,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
+    p.add_argument("--scheduler", default="v0", choices=["v0", "v1"],
+                   help="v1: stage 10's engine (one token budget per step, chunked prefill, prefix caching)")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")

@@ -48,7 +48,7 @@ def snapshot(llm) -> dict:
     queues = {}
     for name in ("waiting", "running", "swapped"):
         queues[name] = []
-        for group in getattr(scheduler, name):
+        for group in getattr(scheduler, name, ()):  # stage 10 has no swapped queue
             if group.is_finished():  # done, and leaving at the next step
                 continue
             request_id, seqs = str(group.request_id), []

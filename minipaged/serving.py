@@ -1019,12 +1019,20 @@ def check_serve_args(host: str, port: int, shutdown_timeout: float, max_waiting:
 def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 256, *,
           api_key: str | None = None, shutdown_timeout: float = 0.0, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, read_timeout: float = DEFAULT_READ_TIMEOUT,
-          served_model_name: str | None = None, **engine_args) -> None:
+          served_model_name: str | None = None, scheduler: str = "v0", **engine_args) -> None:
     """Run the server until SIGINT or SIGTERM. Arguments and the port are checked before the
-    model loads (``ValueError``, one line); in-flight requests are aborted after ``shutdown_timeout``."""
+    model loads (``ValueError``, one line); in-flight requests are aborted after ``shutdown_timeout``.
+    ``scheduler="v1"`` serves stage 10's engine (prefix caching always on)."""
+    import torch
     import uvicorn
 
     from minipaged import LLM
+    from minipaged.stage10_v1_scheduler import LLM as V1LLM
+
+    if scheduler not in ("v0", "v1"):
+        raise ValueError(f"scheduler must be 'v0' or 'v1', got {scheduler!r}")
+    if scheduler == "v1":
+        engine_args["enable_prefix_caching"] = True
 
     check_serve_args(host, port, shutdown_timeout, max_waiting)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -1037,7 +1045,7 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
         raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     logging.basicConfig(format="minipaged serve: %(message)s", level=logging.WARNING)
     try:
-        llm = LLM(model, **engine_args)
+        llm = (V1LLM if scheduler == "v1" else LLM)(model, **engine_args)
         name = served_model_name or model
         app = build_app(llm, name, max_waiting, api_key=api_key, max_logprobs=max_logprobs,
                         max_body_bytes=max_body_bytes, read_timeout=read_timeout, model_path=model)
@@ -1046,7 +1054,7 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
         server = _Server(config, app.state.engine, shutdown_timeout)
         sock.listen(128)
         print(f"minipaged serve: {name} on http://{host if ':' not in host else f'[{host}]'}:"
-              f"{sock.getsockname()[1]}", flush=True)
+              f"{sock.getsockname()[1]} ({torch.get_num_threads()} torch threads)", flush=True)
         server.run(sockets=[sock])
     finally:
         sock.close()

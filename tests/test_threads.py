@@ -79,7 +79,7 @@ def test_demo_and_serve_accept_threads(monkeypatch, command):
     import minipaged.cli as cli
 
     seen = {}
-    monkeypatch.setattr(cli, "_set_threads", lambda args: seen.setdefault("threads", args.threads))
+    monkeypatch.setattr(cli, "_set_threads", lambda args, quiet=False: seen.setdefault("threads", args.threads))
     monkeypatch.setattr(cli, "_engine_demo", lambda args: None)
     import minipaged.serving
 

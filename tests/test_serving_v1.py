@@ -1,0 +1,99 @@
+"""The server over stage 10's engine: the same text as its LLM.generate; what stage 10 refuses is a 400."""
+
+import socket
+
+import httpx
+import openai
+import pytest
+from helpers_serving import ThreadServer, sse_events
+
+import minipaged.serving
+from minipaged import SamplingParams
+from minipaged.cli import main
+from minipaged.stage10_v1_scheduler import LLM, V1Engine
+
+pytestmark = pytest.mark.serving
+
+ENGINE_ARGS = {"num_gpu_blocks": 96, "max_model_len": 256, "max_num_batched_tokens": 8}  # prompts in chunks
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = ThreadServer(LLM("tiny", **ENGINE_ARGS))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+
+
+PROMPTS = ["Return the number of", "If the file does not exist, raise an error and"]
+
+
+def test_completions_and_streams_equal_stage10_generate(client):
+    llm = LLM("tiny", **ENGINE_ARGS)
+    for prompt in PROMPTS:
+        want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want.text
+        assert got.usage.completion_tokens == len(want.token_ids)
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)]
+        assert "".join(pieces) == want.text and len(pieces) > 1
+
+
+def test_n_above_one_is_a_400_and_the_server_keeps_serving(served, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, n=2, seed=1)
+    response = httpx.post(f"{served.url}/v1/completions", json={
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "n": 2, "stream": True, "seed": 1})
+    assert response.status_code == 400
+    assert sse_events(response) == []
+    ok = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_state_metrics_and_health_read_stage10s_engine(served, client):
+    client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    for route in ("/health", "/state", "/metrics"):
+        assert httpx.get(f"{served.url}{route}").status_code == 200, route
+    state = httpx.get(f"{served.url}/state").json()
+    assert state["num_blocks"] == ENGINE_ARGS["num_gpu_blocks"]
+
+
+class Built(Exception):
+    """Stops serve() once it has built its engine."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(("argv", "v1"), [([], False), (["--scheduler", "v1"], True)])
+def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
+    def build_app(llm, *args, **kwargs):
+        raise Built(llm)
+
+    monkeypatch.setattr(minipaged.serving, "build_app", build_app)
+    with pytest.raises(Built) as built:
+        main(["serve", "--port", str(free_port()), "--threads", "1", *argv])
+    llm = built.value.args[0]
+    assert isinstance(llm, LLM) == v1
+    assert isinstance(llm.engine, V1Engine) == v1
+
+
+def test_serve_v1_refuses_swap_before_serving(monkeypatch):
+    def build_app(llm, *args, **kwargs):
+        raise Built(llm)
+
+    monkeypatch.setattr(minipaged.serving, "build_app", build_app)
+    with pytest.raises(ValueError):
+        minipaged.serving.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="swap")
+    with pytest.raises(Built):  # the same call with recompute builds the engine
+        minipaged.serving.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="recompute")
+    with pytest.raises(ValueError):
+        minipaged.serving.serve("tiny", port=free_port(), scheduler="v2")
