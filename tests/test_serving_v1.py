@@ -32,7 +32,7 @@ def client(served):
 PROMPTS = ["Return the number of", "If the file does not exist, raise an error and"]
 
 
-def test_completions_and_streams_equal_stage10_generate(client):
+def test_completions_and_streams_equal_v1_generate(client):
     llm = LLM("tiny", **ENGINE_ARGS)
     for prompt in PROMPTS:
         want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
@@ -55,7 +55,7 @@ def test_n_above_one_is_a_400_and_the_server_keeps_serving(served, client):
     assert ok.choices[0].finish_reason == "length"
 
 
-def test_state_metrics_and_health_read_stage10s_engine(served, client):
+def test_state_metrics_and_health_read_the_v1_engine(served, client):
     client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
     for route in ("/health", "/state", "/metrics"):
         assert httpx.get(f"{served.url}{route}").status_code == 200, route
