@@ -472,11 +472,14 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if not host_is_loopback(headers.get("host", "")):
+            await self.discard_body(receive)
             return await self.refuse(send, 400, "the Host header must name the loopback interface", "host")
         if "origin" in headers and not origin_is_loopback(headers["origin"]):
+            await self.discard_body(receive)
             return await self.refuse(send, 403, "requests from pages of other sites are refused", "origin")
         if self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             if not secrets.compare_digest(headers.get("authorization", ""), f"Bearer {self.api_key}"):
+                await self.discard_body(receive)
                 return await self.refuse(send, 401, "Unauthorized", "authorization")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -507,6 +510,20 @@ class GuardMiddleware:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+    async def discard_body(self, receive) -> None:
+        """Read (and drop) what the client sends before refusing it, up to the body limit: a
+        socket closed with unread data is reset, and the client would see the reset instead of
+        the refusal."""
+        size, deadline = 0, time.monotonic() + min(self.read_timeout, 5.0)
+        while size <= self.max_body_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
 
     @staticmethod
     async def refuse(send, status: int, message: str, param: str | None) -> None:
