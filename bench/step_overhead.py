@@ -7,7 +7,8 @@ around the forward pass, so this measures exactly that: with 16 and 64 requests 
 decode on the tiny model (CPU), the wall time of ``engine.step()`` and, inside it, the time
 of the model's own ``forward`` and ``compute_logits`` (wrapped here, from the outside), each
 summed over the decode steps of a run; the share outside the forward is ``1 - forward /
-step``, the median of 5 runs of 200 steps (one of 16 with --quick). The thread count and the machine's load are
+step``, split into the scheduler's ``schedule``, the runner's inputs (its call less the
+forward), the sampler, and the rest (outputs and counters), the median of 5 runs of 200 steps (one of 16 with --quick). The thread count and the machine's load are
 recorded. Writes bench/results/step_overhead.json (bench/results/quick/ with --quick); the
 last line is the headline.
 """
@@ -36,40 +37,52 @@ ENGINES = {"stage 7": Stage7LLM, "stage 10": Stage10LLM}
 
 
 class Timed:
-    """Replaces one method of the model instance with a timed call to the original."""
+    """Replaces one method of an instance with a timed call to the original."""
 
-    def __init__(self, fn, clock: dict) -> None:
-        self.fn, self.clock = fn, clock
+    def __init__(self, fn, clock: dict, key: str) -> None:
+        self.fn, self.clock, self.key = fn, clock, key
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.clock["forward"] += time.perf_counter() - start
+            self.clock[self.key] += time.perf_counter() - start
 
 
 def run(llm_class, batch: int, steps: int, seed: int) -> dict:
     llm = llm_class("tiny", max_num_seqs=batch, num_gpu_blocks=1024, max_model_len=512)
-    clock = {"forward": 0.0}
-    for name in ("forward", "compute_logits"):  # instance attributes win over the class's methods
-        setattr(llm.model, name, Timed(getattr(llm.model, name), clock))
+    clock = dict.fromkeys(("forward", "schedule", "runner", "sample"), 0.0)
+    runner = llm.engine.runner
+    timed = [(llm.model, "forward", "forward"), (llm.model, "compute_logits", "forward"),
+             (llm.engine.scheduler, "schedule", "schedule"), (llm.engine, "sampler", "sample"),
+             (runner, "execute_model" if hasattr(runner, "execute_model") else "execute", "runner")]
+    for obj, name, key in timed:  # instance attributes win over the class's methods
+        setattr(obj, name, Timed(getattr(obj, name), clock, key))
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(1, 2000) for _ in range(PROMPT)]},
                                params)
-    for _ in range(4):  # the prompts (one step for all of them at this size), then a few decodes to warm up
+    while len(llm.engine.step()) < batch:  # the prompts (in chunks, for stage 10's budget)
+        pass
+    for _ in range(3):  # a few decodes to warm up
         llm.engine.step()
-    clock["forward"], step_seconds = 0.0, 0.0
+    clock.update(dict.fromkeys(clock, 0.0))
+    step_seconds = 0.0
     for _ in range(steps):
         start = time.perf_counter()
         outputs = llm.engine.step()
         step_seconds += time.perf_counter() - start
         assert len(outputs) == batch and not any(o.finished for o in outputs), "not a steady decode step"
-    return {"step_ms": 1000 * step_seconds / steps, "forward_ms": 1000 * clock["forward"] / steps,
-            "outside_ms": 1000 * (step_seconds - clock["forward"]) / steps,
-            "outside_share": 1 - clock["forward"] / step_seconds}
+    ms = {key: 1000 * seconds / steps for key, seconds in clock.items()}
+    step_ms = 1000 * step_seconds / steps
+    # where the time outside the forward goes: the scheduler, the runner's inputs, the sampler, the rest
+    # (outputs, counters, bookkeeping); the runner's time includes the forward, which is taken out
+    return {"step_ms": step_ms, "forward_ms": ms["forward"], "outside_ms": step_ms - ms["forward"],
+            "outside_share": 1 - clock["forward"] / step_seconds, "schedule_ms": ms["schedule"],
+            "inputs_ms": ms["runner"] - ms["forward"], "sample_ms": ms["sample"],
+            "rest_ms": step_ms - ms["runner"] - ms["schedule"] - ms["sample"]}
 
 
 def main() -> None:
@@ -91,7 +104,9 @@ def main() -> None:
                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
             rows.append(row)
             print(f"batch {batch:>3} {engine:<9} step {row['step_ms']:6.2f} ms, forward {row['forward_ms']:6.2f} ms, "
-                  f"outside {row['outside_ms']:5.2f} ms ({100 * row['outside_share']:4.1f}% of the step)")
+                  f"outside {row['outside_ms']:5.2f} ms ({100 * row['outside_share']:4.1f}% of the step): "
+                  f"schedule {row['schedule_ms']:.2f}, inputs {row['inputs_ms']:.2f}, sample {row['sample_ms']:.2f}, "
+                  f"rest {row['rest_ms']:.2f} ms")
     load_after = os.getloadavg()[0]
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "step_overhead.json").write_text(json.dumps(

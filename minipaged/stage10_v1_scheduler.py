@@ -22,7 +22,7 @@ is not finished produces no token that step. The runner keeps a **persistent bat
 (``InputBatch``): one row per request — token ids, ``num_computed_tokens``, block table —
 kept across steps; each step applies only what changed (new requests, the last sampled
 token, new blocks, rows of finished or preempted requests), then gathers the flat inputs
-with tensor indexing instead of rebuilding them from every block table.
+with numpy indexing instead of rebuilding them from every block table.
 
 Composed from stage 9's block manager, stage 7's sampler and engine, and the model, through
 their public interfaces. Simplification: V1 allocates a chunk's blocks as it schedules it;
@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minipaged.models import AttentionMetadata
@@ -115,6 +116,18 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq.seq_id)
+
+    def num_slots(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(slots holding K/V, slots held), as stage 2's ``usage()`` counts them, without walking
+        every block: only a table's last block can be part full, and prefix caching shares full
+        blocks only, so the slack is a sum over sequences and the rest is the used blocks."""
+        manager, size = self.manager, self.manager.block_size
+        held = (manager.num_total_blocks - manager.num_free_blocks) * size
+        slack = 0
+        for seq in seqs:
+            table = manager.table(seq.seq_id)
+            slack += len(table.block_ids) * size - table.num_tokens
+        return held - slack, held
 
 
 class V1Scheduler:
@@ -259,23 +272,27 @@ class V1Scheduler:
 
 
 class InputBatch:
-    """The persistent batch: one row per request in the runner, kept from step to step."""
+    """The persistent batch: one row per request in the runner, kept from step to step.
+
+    Its arrays are numpy's, as vLLM's CPU-side ``InputBatch`` is: writing a few numbers into a
+    row costs well under a microsecond, where a torch op per row would cost several.
+    """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
         self.req_ids: list[Hashable] = []  # row -> request
         self.row_of: dict[Hashable, int] = {}
-        self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64)
-        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)  # tokens known per row
-        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
-        self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
-        self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # tokens known per row
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
 
     def add_request(self, new: NewRequestData) -> None:
         self.remove_request(new.req_id)  # resumed after a preemption: a fresh row
         row = self.row_of[new.req_id] = len(self.req_ids)
         self.req_ids.append(new.req_id)
-        self.token_ids[row, :len(new.token_ids)] = torch.tensor(new.token_ids)
-        self.block_table[row, :len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int32)
+        self.token_ids[row, :len(new.token_ids)] = new.token_ids
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_tokens[row], self.num_blocks[row] = len(new.token_ids), len(new.block_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
 
@@ -283,9 +300,9 @@ class InputBatch:
         """Append what changed: the new tokens and the new blocks."""
         row = self.row_of[cached.req_id]
         # BEGIN SOLUTION write the new tokens and block ids after the row's last ones
-        t, b = int(self.num_tokens[row]), int(self.num_blocks[row])
-        self.token_ids[row, t:t + len(cached.new_token_ids)] = torch.tensor(cached.new_token_ids, dtype=torch.int64)
-        self.block_table[row, b:b + len(cached.new_block_ids)] = torch.tensor(cached.new_block_ids, dtype=torch.int32)
+        t, b = self.num_tokens[row], self.num_blocks[row]
+        self.token_ids[row, t:t + len(cached.new_token_ids)] = cached.new_token_ids
+        self.block_table[row, b:b + len(cached.new_block_ids)] = cached.new_block_ids
         self.num_tokens[row] += len(cached.new_token_ids)
         self.num_blocks[row] += len(cached.new_block_ids)
         # END SOLUTION
@@ -297,8 +314,8 @@ class InputBatch:
             return
         last = len(self.req_ids) - 1
         if row != last:
-            for tensor in (self.token_ids, self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks):
-                tensor[row] = tensor[last]
+            for array in (self.token_ids, self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks):
+                array[row] = array[last]
             self.req_ids[row] = self.req_ids[last]
             self.row_of[self.req_ids[row]] = row
         self.req_ids.pop()
@@ -318,35 +335,36 @@ class V1ModelRunner:
         A request samples when its tokens are all computed after this step; a request whose
         prompt is not finished yet produces no logits.
         """
-        batch, size = self.input_batch, self.block_size
+        batch, size, num_reqs = self.input_batch, self.block_size, len(out.num_scheduled_tokens)
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             batch.remove_request(req_id)
         for new in out.scheduled_new_reqs:
             batch.add_request(new)
         for cached in out.scheduled_cached_reqs:
             batch.update_request(cached)
-        rows = torch.tensor([batch.row_of[r] for r in out.num_scheduled_tokens])  # (num_reqs,)
-        counts = torch.tensor(list(out.num_scheduled_tokens.values()))  # (num_reqs,) tokens each
+        rows = np.fromiter((batch.row_of[r] for r in out.num_scheduled_tokens), np.int64, num_reqs)  # (num_reqs,)
+        counts = np.fromiter(out.num_scheduled_tokens.values(), np.int64, num_reqs)  # (num_reqs,) tokens each
         # BEGIN SOLUTION flat positions from num_computed_tokens; ids, slots and tables by indexing the batch
-        ends = counts.cumsum(0)
-        owner = torch.repeat_interleave(torch.arange(len(rows)), counts)  # (num_tokens,) index into rows
-        positions = batch.num_computed_tokens[rows][owner] + torch.arange(int(ends[-1])) - (ends - counts)[owner]
-        token_ids = batch.token_ids[rows[owner], positions]  # (num_tokens,)
-        slot_mapping = batch.block_table[rows[owner], positions // size].long() * size + positions % size
+        ends = counts.cumsum()
+        owner = np.repeat(rows, counts)  # (num_tokens,) the row of each token
+        positions = np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts) + np.arange(ends[-1])
+        token_ids = batch.token_ids[owner, positions]  # (num_tokens,)
+        slot_mapping = batch.block_table[owner, positions // size].astype(np.int64) * size + positions % size
         seq_lens = batch.num_computed_tokens[rows] + counts  # (num_reqs,) context after this step
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            block_tables=batch.block_table[rows, :int(batch.num_blocks[rows].max())].to(self.device),
-            seq_lens=seq_lens.to(torch.int32).to(self.device),
-            query_start_loc=None if int(counts.max()) == 1 else starts.to(self.device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            block_tables=torch.from_numpy(batch.block_table[rows, :batch.num_blocks[rows].max()]).to(self.device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
+            query_start_loc=None if counts.max() == 1 else torch.from_numpy(
+                np.concatenate([[0], ends]).astype(np.int32)).to(self.device),
             backend=self.backend,
         )
         with torch.inference_mode():
-            hidden = self.model(token_ids.to(self.device), positions.to(self.device), self.cache, meta)
+            hidden = self.model(torch.from_numpy(token_ids).to(self.device),
+                                torch.from_numpy(positions).to(self.device), self.cache, meta)
             batch.num_computed_tokens[rows] = seq_lens
             done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
-            logits = self.model.compute_logits(hidden[(ends - 1)[done].to(self.device)]).float()
+            logits = self.model.compute_logits(hidden[torch.from_numpy((ends - 1)[done]).to(self.device)]).float()
         return [r for r, d in zip(out.num_scheduled_tokens, done.tolist(), strict=True) if d], logits
         # END SOLUTION
 
@@ -382,9 +400,10 @@ class V1Engine(LLMEngine):
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += decodes
         self.counters["prefill_tokens"] += out.total_num_scheduled_tokens - decodes
-        usage = self.scheduler.block_manager.usage()
-        self.counters["token_slots"] += usage.token
-        self.counters["held_slots"] += usage.token + usage.internal
+        token, held = self.scheduler.kv_cache_manager.num_slots(
+            [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING])
+        self.counters["token_slots"] += token
+        self.counters["held_slots"] += held
         outputs = [self.output(r) for r in requests]
         for o in outputs:
             if o.finished:

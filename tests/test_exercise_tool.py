@@ -11,6 +11,7 @@ import ast
 import importlib
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -277,6 +278,28 @@ def test_a_surviving_mutant_is_reported():
     assert "test_stage1_block_allocator.py::" in results[1].killed_by
     table = format_mutants(results)
     assert "SURVIVED" in table and table.splitlines()[-1] == "mutants: 1/2 killed"
+
+
+def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
+    """The catalogue collects only the files ``stage_test_files`` names: every test pytest marks
+    ``stageN`` must be in one of them, however its mark was given."""
+    from minipaged.mutants import stage_test_files
+
+    (tmp_path / "stage_marks.py").write_text(
+        "def pytest_collection_finish(session):\n"
+        "    for item in session.items:\n"
+        "        for mark in item.iter_markers():\n"
+        "            if mark.name.startswith('stage'):\n"
+        "                print('MARK', mark.name, item.nodeid.split('::')[0])\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "stage_marks",
+                           "-p", "no:cacheprovider", "tests"], cwd=REPO_DIR, env=env, capture_output=True,
+                          text=True, timeout=300)
+    marked = {tuple(line.split()[1:]) for line in done.stdout.splitlines() if line.startswith("MARK ")}
+    assert {name for name, _ in marked} >= {f"stage{n}" for n in range(11)}
+    for name, path in marked:
+        assert path in stage_test_files(REPO_DIR, int(name.removeprefix("stage"))), (name, path)
+    assert stage_test_files(REPO_DIR, 1) == ["tests/test_stage1_block_allocator.py"]  # not stage 10's
 
 
 def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_cause():
