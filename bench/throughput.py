@@ -10,7 +10,8 @@ ignored everywhere). Static ``generate`` serves them in batches of the same size
 minipaged's ``max_num_seqs``, left-padded, each batch running until its longest request
 is done, as it must; transformers' continuous batching gets the same number of requests
 per batch. Throughput counts the generated tokens each request asked for, per second of
-wall time; the greedy outputs are checked equal. Also reported: the share of minipaged's
+wall time, the median of 3 runs of each side taken in turn (one with --quick); the greedy
+outputs are checked equal. Also reported: the share of minipaged's
 wall time spent outside the model's forward pass (scheduling, block bookkeeping, inputs,
 sampling).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -132,7 +134,7 @@ def headline(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 requests (the default is 128)")
+    parser.add_argument("--quick", action="store_true", help="64 requests and one run (the default: 128, 3 runs)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, help="max_num_seqs and transformers' batch size (default: 16, 32, 64)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -147,6 +149,7 @@ def main() -> None:
         print(headline(data["rows"]))
         return
     threads = apply_threads(args.threads)  # one count for every side: minipaged and both transformers runs
+    repeats = 1 if args.quick else 3
     torch.manual_seed(0)
     path = resolve_model_path(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
@@ -173,27 +176,38 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
         timer = llm.engine.runner.model = ForwardTimer(llm.engine.runner.model)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
-        start = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        ours = time.perf_counter() - start
-        tokens = [r.outputs[0].token_ids for r in results]
-        assert sum(map(len, tokens)) == wanted
-        static = hf_static_batches(hf, prompts, outputs, batch, pad_id=0)
-        continuous, cb_tokens = hf_continuous_batching(cb_model, prompts, outputs, batch)
-        same = sum(a == b for a, b in zip(tokens, cb_tokens, strict=True))
+        seconds = {"minipaged": [], "transformers": [], "transformers_cb": []}
+        outside = []
+        for _ in range(repeats):  # the three sides in turn, so that a busy spell touches each alike
+            timer.seconds, steps_before = 0.0, llm.stats["steps"]
+            start = time.perf_counter()
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            seconds["minipaged"].append(time.perf_counter() - start)
+            outside.append(1 - timer.seconds / seconds["minipaged"][-1])
+            steps = llm.stats["steps"] - steps_before
+            tokens = [r.outputs[0].token_ids for r in results]
+            assert sum(map(len, tokens)) == wanted
+            seconds["transformers"].append(hf_static_batches(hf, prompts, outputs, batch, pad_id=0))
+            continuous, cb_tokens = hf_continuous_batching(cb_model, prompts, outputs, batch)
+            seconds["transformers_cb"].append(continuous)
+            same = sum(a == b for a, b in zip(tokens, cb_tokens, strict=True))
+        ours, static, continuous = (statistics.median(seconds[k]) for k in seconds)
         rows.append({"batch": batch, "minipaged_tps": wanted / ours, "transformers_tps": wanted / static,
                      "transformers_cb_tps": wanted / continuous, "ratio": static / ours,
-                     "ratio_cb": continuous / ours, "outside_forward": 1 - timer.seconds / ours,
-                     "identical_to_cb": same, "engine_steps": llm.stats["steps"],
+                     "ratio_cb": continuous / ours, "outside_forward": statistics.median(outside),
+                     "identical_to_cb": same, "engine_steps": steps, "repeats": repeats,
+                     "tps_each_run": {k: [round(wanted / t, 1) for t in v] for k, v in seconds.items()},
                      "threads": {"minipaged": threads, "transformers": threads, "transformers_cb": threads}})
-        print(f"batch {batch:>3}: minipaged {wanted / ours:8.1f} tokens/s ({llm.stats['steps']} steps, "
-              f"{100 * (1 - timer.seconds / ours):.0f}% outside the forward), generate {wanted / static:8.1f}, "
+        spread = "; ".join(f"{k} {min(v):.0f}-{max(v):.0f}" for k, v in rows[-1]["tps_each_run"].items())
+        print(f"batch {batch:>3}: minipaged {wanted / ours:8.1f} tokens/s ({steps} steps, "
+              f"{100 * rows[-1]['outside_forward']:.0f}% outside the forward), generate {wanted / static:8.1f}, "
               f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours:.1f}x and "
-              f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching")
+              f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching"
+              + (f" (medians of {repeats}; tokens/s ranged {spread})" if repeats > 1 else ""))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "throughput.json").write_text(json.dumps(
         {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
-         "threads": threads, "rows": rows}, indent=2))
+         "threads": threads, "repeats": repeats, "rows": rows}, indent=2))
     plot(json.loads((results_dir / "throughput.json").read_text()), results_dir / "throughput.png")
     print(headline(rows))
 

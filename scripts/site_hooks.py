@@ -157,5 +157,11 @@ def on_config(config):
 def on_post_build(config):
     import jupyter_server_mathjax
 
+    site = Path(config["site_dir"])
     source = Path(jupyter_server_mathjax.__file__).parent / "static"
-    shutil.copytree(source, Path(config["site_dir"]) / "assets" / "mathjax", dirs_exist_ok=True)
+    shutil.copytree(source, site / "assets" / "mathjax", dirs_exist_ok=True)
+    # A sitemap lists absolute addresses; without a site_url the theme writes "None" in front of
+    # every path. The site is read from a folder or a local server, so it has none to give.
+    if not config.get("site_url"):
+        for sitemap in (*site.glob("sitemap.xml*"), *site.glob("*/sitemap.xml*")):
+            sitemap.unlink()

@@ -127,6 +127,14 @@ def test_no_page_or_stylesheet_loads_anything_from_outside_the_site(site):
     assert not missing, "resources missing from the site:\n" + "\n".join(missing)
 
 
+@docs
+def test_no_file_of_the_site_names_an_address_it_does_not_have(site):
+    """Without a site_url there is no absolute address to give: no sitemap saying "None…"."""
+    unset = re.compile(r"""<loc>None|(?:href|src|content)=["']None""")
+    for path in (*site.rglob("*.html"), *site.rglob("*.xml")):
+        assert not unset.search(path.read_text(encoding="utf-8")), path.relative_to(site)
+
+
 def test_the_check_finds_what_it_looks_for():
     parser = _Resources()
     parser.feed('<link rel="stylesheet" href="https://fonts.example/css"><img srcset="a.png 1x, '
