@@ -353,8 +353,8 @@ def run_tests(directory: Path, *pytest_args: str) -> dict[str, dict]:
         report = Path(tmp) / "report.json"
         env = {**os.environ, "MINIPAGED_REPORT": str(report)}
         env.pop("PYTEST_ADDOPTS", None)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                   "-p", "minipaged._pytest_report", *pytest_args]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
+                   "-p", "minipaged._pytest_report", *pytest_args]  # no stage test runs a notebook
         subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
         if not report.exists():
             raise RuntimeError(f"pytest wrote no report in {directory}: is it a workspace?")

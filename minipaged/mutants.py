@@ -312,7 +312,9 @@ def stage_test_files(workspace: Path, stage: int) -> list[str]:
 def _first_failure(workspace: Path, stage: int) -> str | None:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1"}
     env.pop("PYTEST_ADDOPTS", None)
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", f"stage{stage}",
+    # nbmake's plugin alone takes a second to import (it validates notebooks): no stage test needs it
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
+               "-m", f"stage{stage}",
                "-o", "addopts=--strict-markers", "--tb=no", "-rf", *stage_test_files(workspace, stage)]
     try:
         done = subprocess.run(command, cwd=workspace, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
