@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minipaged.sampling_params import SamplingParams
+from minipaged.sampling_params import SamplingParams, find_stop_string
 
 logger = logging.getLogger("minipaged.serving")
 
@@ -320,9 +320,11 @@ class ChoiceText:
     the longest tail that is the beginning of a stop string.
     """
 
-    def __init__(self, decode, stops: list[str], include_stop_str_in_output: bool = False) -> None:
+    def __init__(self, decode, stops: list[str], include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
         self.decode, self.stops, self.include = decode, stops, include_stop_str_in_output
-        self.text, self.num_tokens, self.finished = "", 0, False
+        self.min_tokens = min_tokens  # no stop string counts before this many tokens (vLLM's rule)
+        self.text, self.num_tokens, self.finished, self.checked = "", 0, False, 0
         self.stop_reason: str | int | None = None
         self.finish_reason: str | None = None
 
@@ -331,11 +333,11 @@ class ChoiceText:
             return
         self.num_tokens = len(token_ids)
         text = self.decode(token_ids)
-        hits = [(text.find(s), i, s) for i, s in enumerate(self.stops) if s in text]
-        if hits:
-            at, _, stop = min(hits)
-            self.text = text[: at + len(stop)] if self.include else text[:at]
-            self.finished, self.finish_reason, self.stop_reason = True, "stop", stop
+        found = find_stop_string(text, self.stops, self.include, self.checked)  # in the new text only
+        self.checked = len(text)
+        if found and len(token_ids) >= self.min_tokens:
+            self.text, self.stop_reason = found
+            self.finished, self.finish_reason = True, "stop"
             return
         self.text = text
         if finish_reason is not None:

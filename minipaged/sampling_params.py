@@ -51,6 +51,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides (positive) or multiplies (negative) prompt+output tokens' logits
     logit_bias: dict[int, float] | None = None  # added to the token's logit
     min_tokens: int = 0  # end and stop tokens are banned until this many tokens are generated
+    stop: list[str] | None = None  # strings that end the output (a str is one); the text is cut before it
+    include_stop_str_in_output: bool = False  # ... or after it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return the top-k log-probabilities of each step
@@ -76,6 +78,11 @@ class SamplingParams:
         check_float("SamplingParams.presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("SamplingParams.frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("SamplingParams.repetition_penalty", self.repetition_penalty, 0.0, math.inf, open_low=True)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, list)
+                                      or not all(isinstance(x, str) and x for x in self.stop)):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
@@ -98,14 +105,29 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens or self.min_p)
 
 
+def find_stop_string(text: str, stops: list[str], include: bool = False, checked: int = 0) -> tuple[str, str] | None:
+    """The text cut at the earliest stop string in it, and that string; None if there is none.
+
+    vLLM's rule: where two begin at the same place, the one listed first wins; the cut is
+    before the string, or after it with ``include`` (``include_stop_str_in_output``). Only a
+    string that ends after the first ``checked`` characters counts (they were searched before)."""
+    hits = [(at, i, stop) for i, stop in enumerate(stops)
+            if (at := text.find(stop, max(0, checked - len(stop) + 1))) >= 0]
+    if not hits:
+        return None
+    at, _, stop = min(hits)
+    return (text[: at + len(stop)] if include else text[:at]), stop
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str  # decoded when the request finishes
     token_ids: list[int]
     cumulative_logprob: float
-    finish_reason: str | None  # "stop" (an end or stop token), "length", or "abort"
+    finish_reason: str | None  # "stop" (an end or stop token, or a stop string), "length", or "abort"
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
 
 
 @dataclass

@@ -684,7 +684,8 @@ def build_app(llm, model_name: str = "tiny", max_waiting: int = 256, *, api_key:
 
         def __init__(self, handles, n, stops, include_stop, logprobs):
             self.handles, self.n, self.logprobs = handles, n, logprobs
-            self.texts = [ChoiceText(llm.engine.text, stops, include_stop) for _ in range(n * len(handles))]
+            self.texts = [ChoiceText(llm.engine.text, stops, include_stop, h.params.min_tokens)
+                          for h in handles for _ in range(n)]
             self.tokens = [[] for _ in self.texts]
             self.token_logprobs = [[] for _ in self.texts]
             self.sent = [0] * len(self.texts)  # characters streamed

@@ -45,7 +45,13 @@ from minipaged.models import (
     resolve_dtype,
     resolve_model_path,
 )
-from minipaged.sampling_params import CompletionOutput, RequestOutput, SamplingParams, check_int
+from minipaged.sampling_params import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    check_int,
+    find_stop_string,
+)
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import (
@@ -69,6 +75,9 @@ class SampledSequence(Sequence):
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    text: str | None = None  # the output text, once a stop string has cut it
+    num_text_chars: int = 0  # with stop strings: the decoded output's length at the last step
 
 
 @dataclass(eq=False)
@@ -211,6 +220,8 @@ class LLMEngine:
             raise ValueError(f"token ids must be in 0 .. {self.vocab_size - 1}, got {bad[:5]}")
         if isinstance(params, SamplingParams) and params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer (tokenizer.json): use stop_token_ids")
         return text, ids
 
     def add_request(self, request_id, prompt, params: SamplingParams) -> Request:
@@ -291,6 +302,13 @@ class LLMEngine:
             top = torch.topk(logprobs, params.logprobs)
             seq.logprobs.append({**dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)), token: logprob})
         stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        seq.stop_reason = token if token in params.stop_token_ids else None
+        if not stop and params.stop:  # found in the decoded text, in what this token added (vLLM's rule)
+            text, checked = self.text(seq.output_token_ids), seq.num_text_chars
+            seq.num_text_chars = len(text)
+            found = find_stop_string(text, params.stop, params.include_stop_str_in_output, checked)
+            if found and len(seq.output_token_ids) >= params.min_tokens:
+                (seq.text, seq.stop_reason), stop = found, True
         if stop or len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.scheduler.max_model_len:
             seq.finish_reason = "stop" if stop else "length"
             self.scheduler.finish(seq)
@@ -301,9 +319,9 @@ class LLMEngine:
     def output(self, request: Request) -> RequestOutput:
         """The request's tokens so far; the text is decoded once it is finished (not every step)."""
         done = request.is_finished()
-        outputs = [CompletionOutput(i, self.text(s.output_token_ids) if done else "", list(s.output_token_ids),
-                                    s.cumulative_logprob, s.finish_reason,
-                                    s.logprobs if request.params.logprobs is not None else None)
+        outputs = [CompletionOutput(i, (self.text(s.output_token_ids) if s.text is None else s.text) if done else "",
+                                    list(s.output_token_ids), s.cumulative_logprob, s.finish_reason,
+                                    s.logprobs if request.params.logprobs is not None else None, s.stop_reason)
                    for i, s in enumerate(request.seqs)]
         return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs, done)
 

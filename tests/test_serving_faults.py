@@ -228,6 +228,11 @@ def test_choice_text_holds_back_a_possible_stop_string():
     assert kept.ready() == " pix"
     kept.update([1, 2, 3, 4], None)
     assert kept.text == " pixel"
+    late = ChoiceText(lambda ids: "".join(pieces[i] for i in ids), ["xel"], min_tokens=4)
+    late.update([1, 2, 3], None)  # complete before min_tokens: it does not count
+    assert not late.finished
+    late.update([1, 2, 3, 4], None)  # nor later: only what a step adds is searched
+    assert not late.finished and late.text == " pixels"
     partial = ChoiceText(lambda ids: "h\ufffd" if len(ids) == 1 else "hé", [])
     partial.update([1], None)
     assert partial.ready() == "h"

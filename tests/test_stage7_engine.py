@@ -184,6 +184,39 @@ def test_stop_tokens_and_finish_reasons():
     assert free.outputs[0].cumulative_logprob < 0
 
 
+def test_stop_strings_cut_the_text_and_end_the_output_as_vllms_do():
+    llm = LLM("tiny", num_gpu_blocks=64)
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    free = llm.generate(["The"], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    text, tokens = free.text, free.token_ids
+    first = text[len(text) // 3:][:3]  # a string from the middle of the text
+    at = text.find(first)
+    assert first.strip() and at > 0
+    k = next(k for k in range(1, len(tokens) + 1) if first in llm.engine.text(tokens[:k]))  # the token completing it
+
+    def run(**kw):
+        return llm.generate(["The"], SamplingParams(**greedy, **kw), use_tqdm=False)[0].outputs[0]
+
+    cut = run(stop=[first[1:], first])  # both end on the same token: the one beginning first wins
+    assert (cut.text, cut.token_ids, cut.finish_reason, cut.stop_reason) == (text[:at], tokens[:k], "stop", first)
+    kept = run(stop=first, include_stop_str_in_output=True)  # a str is a list of one
+    assert (kept.text, kept.token_ids, kept.stop_reason) == (text[:at + len(first)], tokens[:k], first)
+    held = run(stop=[first], min_tokens=k + 1)  # no stop before min_tokens, and an earlier occurrence no longer counts
+    nxt = text.find(first, at + 1)
+    assert held.token_ids == tokens[:len(held.token_ids)] and len(held.token_ids) > k
+    assert (held.text, held.finish_reason) == ((text[:nxt], "stop") if nxt >= 0 else (text, "length"))
+    never = run(stop=["\u2603 not in this text"])
+    assert (never.text, never.finish_reason, never.stop_reason) == (text, "length", None)
+    by_token = run(stop_token_ids=[tokens[4]])
+    assert by_token.stop_reason == tokens[4] and by_token.finish_reason == "stop"
+    with pytest.raises(ValueError):
+        SamplingParams(stop=[""])
+    bare = LLM("tiny", num_gpu_blocks=64)
+    bare.engine.tokenizer = None  # a model folder without tokenizer.json: stop strings cannot be found
+    with pytest.raises(ValueError):
+        bare.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(stop=["a"]), use_tqdm=False)
+
+
 @pytest.mark.parametrize(
     "call,error",
     [(lambda llm: llm.generate([""], use_tqdm=False), ValueError),
