@@ -43,6 +43,8 @@ import httpx  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from minipaged.threads import choose_threads  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_STREAMS, MAX_REQUESTS = 256, 4096
@@ -72,13 +74,15 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def start_server(max_model_len: int, log) -> tuple[subprocess.Popen, str]:
-    """``minipaged serve`` (the tiny model) on a free loopback port; its messages go to ``log``."""
+def start_server(max_model_len: int, threads: int, log) -> tuple[subprocess.Popen, str]:
+    """``minipaged serve`` (the tiny model, ``threads`` torch threads) on a free loopback port; its
+    messages go to ``log``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port),
-                                "--max-model-len", str(max_model_len), "--max-waiting", str(MAX_STREAMS)],
+                                "--max-model-len", str(max_model_len), "--max-waiting", str(MAX_STREAMS),
+                                "--threads", str(threads)],
                                stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -144,6 +148,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests-per-stream", type=int, default=None, help="requests sent per stream (default 3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request (default 128)")
+    parser.add_argument("--threads", type=int, help="the server's torch threads (default: the cores free now)")
     return parser
 
 
@@ -163,8 +168,11 @@ def main() -> None:
     results_dir = output_dir(args)
     process, load_before = None, os.getloadavg()[0]  # other work on the machine slows every figure
     log = tempfile.TemporaryFile("w+")
+    threads = None  # a server given by --url chose its own
     if url is None:
-        process, url = start_server(prompt_len + max_tokens, log)
+        threads = choose_threads(args.threads)  # counted before the server and this client load the machine
+        print(f"the server runs with {threads} torch thread(s); this client shares the machine", flush=True)
+        process, url = start_server(prompt_len + max_tokens, threads, log)
     try:
         rows = []
         for c in streams:
@@ -189,7 +197,7 @@ def main() -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "serving_load.json").write_text(json.dumps(
         {"machine": machine, "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-         "model": model, "prompt_len": prompt_len, "max_tokens": max_tokens,
+         "model": model, "server_threads": threads, "prompt_len": prompt_len, "max_tokens": max_tokens,
          "requests_per_stream": per_stream, "levels": rows}, indent=2))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     x = [r["streams"] for r in rows]
