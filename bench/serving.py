@@ -45,6 +45,7 @@ from minipaged.serving import build_app  # noqa: E402
 from minipaged.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage0_contiguous import ContiguousKVCache  # noqa: E402
 from minipaged.stage7_engine import LLMEngine  # noqa: E402
+from minipaged.threads import apply_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MAX_LEN, BLOCKS, BLOCK_SIZE = 512, 96, 16  # 1,536 token slots: three max-length requests
@@ -173,6 +174,7 @@ def headline(held: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one trace, fewer requests and rates")
+    parser.add_argument("--threads", type=int, help="torch CPU threads, the same for every policy (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the saved results (bench/results/serving.json), measuring nothing")
     args = parser.parse_args()
@@ -182,6 +184,8 @@ def main() -> None:
         plot(data, results_dir / "serving.png")
         print(headline(data["held"]))
         return
+    threads = apply_threads(args.threads)  # one process: every policy runs on the same threads
+    print(f"{threads} torch thread(s) for every policy", flush=True)
     traces = ["ShareGPT"] if args.quick else list(TRACES)
     rates = {"ShareGPT": [2, 4, 8, 16] if args.quick else [2, 4, 8, 12, 16, 24, 32, 48],
              "Alpaca": [8, 16, 32, 64, 96, 128, 192]}
@@ -213,6 +217,7 @@ def main() -> None:
         held[name]["threshold_ms_per_token"] = 1e3 * threshold
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "serving.json").write_text(json.dumps({"blocks": BLOCKS, "block_size": BLOCK_SIZE, "max_len": MAX_LEN,
+                                                           "threads": threads,
                                                            "results": results, "held": held, "paper": PAPER}, indent=2))
     data = json.loads((results_dir / "serving.json").read_text())  # as --plot-only reads it
     plot(data, results_dir / "serving.png")
