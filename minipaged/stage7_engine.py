@@ -301,8 +301,8 @@ class LLMEngine:
         if params.logprobs is not None:
             top = torch.topk(logprobs, params.logprobs)
             seq.logprobs.append({**dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)), token: logprob})
-        stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         seq.stop_reason = token if token in params.stop_token_ids else None
+        stop = seq.stop_reason is not None or (not params.ignore_eos and token in self.eos_token_ids)
         if not stop and params.stop:  # found in the decoded text, in what this token added (vLLM's rule)
             text, checked = self.text(seq.output_token_ids), seq.num_text_chars
             seq.num_text_chars = len(text)
