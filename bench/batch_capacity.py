@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from workloads import MAX_LEN, OPT_13B_SLOTS, TRACES, trace  # noqa: E402
 
-from minipaged.simulate import simulate_contiguous, simulated_engine  # noqa: E402
+from minipaged.perf.simulate import simulate_contiguous, simulated_engine  # noqa: E402
 from minipaged.stage7_engine import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from workloads import OPT_13B_SLOTS, TRACES, trace  # noqa: E402
 
-from minipaged.simulate import simulate_paged  # noqa: E402
+from minipaged.perf.simulate import simulate_paged  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]

@@ -27,9 +27,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from minipaged import SamplingParams  # noqa: E402
+from minipaged.common.threads import apply_threads  # noqa: E402
 from minipaged.stage9_prefix_caching import LLM as Stage9LLM  # noqa: E402
 from minipaged.stage10_v1_scheduler import LLM as Stage10LLM  # noqa: E402
-from minipaged.threads import apply_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LONG_PROMPT, SHORT_PROMPT, BUDGETS = 480, 16, (64, 256, 1024)

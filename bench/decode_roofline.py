@@ -3,7 +3,7 @@
 Not a measurement: a bound. A decode step reads the K and V of every context token once
 per KV head and does little arithmetic with them, so no kernel can finish one layer's
 attention faster than (bytes it must move) / (peak memory bandwidth). The bytes are counted
-by ``minipaged.kernel_report.decode_bytes`` (K/V, queries, outputs, block tables); the
+by ``minipaged.perf.kernel_report.decode_bytes`` (K/V, queries, outputs, block tables); the
 bandwidths are the vendors' peaks. Shape: 32 query heads on 8 KV heads, head dim 128,
 bfloat16, block size 16 (a Llama-3-8B layer).
 
@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minipaged.kernel_report import GPUS, decode_bound_us, decode_bytes, decode_programs  # noqa: E402
+from minipaged.perf.kernel_report import GPUS, decode_bound_us, decode_bytes, decode_programs  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BATCHES = (1, 8, 64)

@@ -18,13 +18,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minipaged.simulate import (  # noqa: E402
+from minipaged.learn.viz import plot_usage  # noqa: E402
+from minipaged.perf.simulate import (  # noqa: E402
     format_usage_table,
     simulate_contiguous,
     simulate_paged,
     synthetic_requests,
 )
-from minipaged.viz import plot_usage  # noqa: E402
 
 PAPER_TOKEN_SHARE = {"max": 20.4, "pow2": 26.8, "oracle": 38.2, "paged/16": 96.3}
 RESULTS = Path(__file__).parent / "results"

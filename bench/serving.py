@@ -41,11 +41,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import uvicorn  # noqa: E402
 
 from minipaged import LLM  # noqa: E402
+from minipaged.common.threads import apply_threads  # noqa: E402
+from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.serving import build_app  # noqa: E402
-from minipaged.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage0_contiguous import ContiguousKVCache  # noqa: E402
 from minipaged.stage7_engine import LLMEngine  # noqa: E402
-from minipaged.threads import apply_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MAX_LEN, BLOCKS, BLOCK_SIZE = 512, 96, 16  # 1,536 token slots: three max-length requests

@@ -43,7 +43,7 @@ import httpx  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minipaged.threads import choose_threads  # noqa: E402
+from minipaged.common.threads import choose_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minipaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
-from minipaged.simulate import synthetic_requests  # noqa: E402
+from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import LLM as UnsharedLLM  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

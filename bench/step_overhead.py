@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from minipaged import SamplingParams
+from minipaged.common.threads import apply_threads
 from minipaged.stage7_engine import LLM as Stage7LLM
 from minipaged.stage10_v1_scheduler import LLM as Stage10LLM
-from minipaged.threads import apply_threads
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = 16

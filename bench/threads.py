@@ -6,7 +6,7 @@ barrier, and the engine slows down far more than by the core it lost. This runs 
 engine (the tiny model, 32 prompts of 16 tokens, 64 tokens each, greedy) with 1 thread and
 with one per core, first on the machine as it is, then with a busy loop in another process
 holding one core: tokens per second, the median of 3 runs (one with --quick). It also prints
-what :func:`minipaged.threads.free_cores` would choose at the end of each condition; the
+what :func:`minipaged.common.threads.free_cores` would choose at the end of each condition; the
 1-minute load average it reads lags behind a load that has just begun. Writes
 bench/results/threads.json (bench/results/quick/ with --quick); the last line is the headline.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from minipaged.common.threads import free_cores
 from minipaged.stage7_engine import LLM, SamplingParams
-from minipaged.threads import free_cores
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 32, 16, 64

@@ -36,10 +36,10 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+from minipaged.common.threads import apply_threads  # noqa: E402
 from minipaged.models import resolve_model_path  # noqa: E402
-from minipaged.simulate import synthetic_requests  # noqa: E402
+from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import LLM, SamplingParams  # noqa: E402
-from minipaged.threads import apply_threads  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -9,13 +9,13 @@ and to prompt + output <= ``max_len``. Arrival times are a Poisson process in *s
 steps* (``rate`` requests per step): the benchmarks run without a model, so a step, not a
 second, is the unit of time.
 
-The drawing itself is ``minipaged.simulate.synthetic_requests``; this module only names
+The drawing itself is ``minipaged.perf.simulate.synthetic_requests``; this module only names
 the two traces.
 """
 
 from __future__ import annotations
 
-from minipaged.simulate import Request, synthetic_requests
+from minipaged.perf.simulate import Request, synthetic_requests
 
 TRACES = {
     "ShareGPT": {"mean_prompt": 161.31, "mean_output": 337.99},

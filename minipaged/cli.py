@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _exercise(args: argparse.Namespace) -> int:
-    from minipaged.exercise import make_workspace
+    from minipaged.learn.exercise import make_workspace
 
     out = Path(args.out or f"minipaged-exercise-{args.stage}")
     workspace = make_workspace(args.stage, out, force=args.force)
@@ -20,15 +20,15 @@ def _exercise(args: argparse.Namespace) -> int:
 
 
 def _mutants(args: argparse.Namespace) -> int:
-    from minipaged.exercise import PACKAGE_DIR, find_workspace
+    from minipaged.learn.exercise import PACKAGE_DIR, find_workspace
 
     workspace = find_workspace(Path.cwd()) or find_workspace(PACKAGE_DIR.parent)
-    if workspace is not None or not (PACKAGE_DIR / "mutants.py").is_file():
+    if workspace is not None or not (PACKAGE_DIR / "learn" / "mutants.py").is_file():
         print(f"minipaged mutants: not available in an exercise workspace ({workspace or PACKAGE_DIR.parent}): "
               "its catalogue quotes the solutions, so workspaces leave it out; run it in a clone of "
               "the minipaged repository", file=sys.stderr)
         return 2
-    from minipaged.mutants import format_mutants, run_mutants
+    from minipaged.learn.mutants import format_mutants, run_mutants
 
     results = run_mutants(args.stage, progress=lambda r: print(
         f"  stage {r.mutant.stage}: {r.mutant.name}: {r.killed_by or 'SURVIVED'}", file=sys.stderr, flush=True))
@@ -37,7 +37,7 @@ def _mutants(args: argparse.Namespace) -> int:
 
 
 def _set_threads(args: argparse.Namespace, quiet: bool = False) -> None:
-    from minipaged.threads import apply_threads
+    from minipaged.common.threads import apply_threads
 
     n = apply_threads(args.threads)
     if not quiet:  # serve says it in its one startup line
@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from minipaged.exercise import edited_stage, format_grades, grade
+    from minipaged.learn.exercise import edited_stage, format_grades, grade
 
     rows = grade(Path(args.directory), args.stage)
     print(format_grades(rows, edited_stage(Path(args.directory))))
@@ -100,7 +100,7 @@ def _engine_demo(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from minipaged.simulate import (
+    from minipaged.perf.simulate import (
         format_usage_table,
         simulate_contiguous,
         simulate_paged,
@@ -123,7 +123,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from minipaged.kernel_report import main as kernels
+    from minipaged.perf.kernel_report import main as kernels
 
     return kernels(args.target.split(","), args.dtype.split(","), args.quick, args.json, args.no_divisibility)
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minipaged.common.sampling_params import SamplingParams, check_int
 from minipaged.models import AttentionMetadata
-from minipaged.sampling_params import SamplingParams, check_int
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage6_scheduler import Sequence, SequenceStatus
 from minipaged.stage7_engine import LLMEngine, Request

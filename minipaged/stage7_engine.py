@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.logits_processors import apply_logits_processors
+from minipaged.common.logits_processors import apply_logits_processors
+from minipaged.common.sampling_params import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    check_int,
+    find_stop_string,
+)
 from minipaged.models import (
     AttentionMetadata,
     load_config,
@@ -44,13 +51,6 @@ from minipaged.models import (
     load_tokenizer,
     resolve_dtype,
     resolve_model_path,
-)
-from minipaged.sampling_params import (
-    CompletionOutput,
-    RequestOutput,
-    SamplingParams,
-    check_int,
-    find_stop_string,
 )
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
@@ -129,7 +129,7 @@ class Sampler:
     """Logits ``(num_seqs, vocab)`` to one token per sequence, and the log-probabilities of all.
 
     First the rows whose params ask for penalties, ``logit_bias``, ``min_tokens`` or ``min_p``
-    are processed in place (``minipaged.logits_processors``; ``eos_token_ids`` are the tokens
+    are processed in place (``minipaged.common.logits_processors``; ``eos_token_ids`` are the tokens
     ``min_tokens`` holds back)."""
 
     def __init__(self, eos_token_ids=()) -> None:

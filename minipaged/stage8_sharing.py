@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.sampling_params import SamplingParams, check_int
+from minipaged.common.sampling_params import SamplingParams, check_int
 from minipaged.stage6_scheduler import SequenceStatus
 from minipaged.stage7_engine import LLM as EngineLLM
 from minipaged.stage7_engine import (

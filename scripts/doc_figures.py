@@ -32,14 +32,14 @@ from minipaged import (  # noqa: E402
     SharingEngine,
     SwapBlockSpaceManager,
 )
-from minipaged.simulate import SimulatedRunner, simulated_engine  # noqa: E402
-from minipaged.viz import (  # noqa: E402
+from minipaged.learn.viz import (  # noqa: E402
     plot_arena,
     plot_block_tables,
     plot_gather,
     plot_schedule,
     plot_split_kv,
 )
+from minipaged.perf.simulate import SimulatedRunner, simulated_engine  # noqa: E402
 
 OUT = ROOT / "docs" / "figures"
 OWNER_COLORS = {"A": "#4c72b0", "B": "#dd8452", "C": "#55a868", "D": "#c44e52", None: "#eeeeee"}
@@ -348,8 +348,8 @@ def token_budget():
     """Stage 10: one token budget per step; decodes first, then a long prompt in chunks."""
     import torch
 
+    from minipaged.learn.viz import plot_token_budget
     from minipaged.stage10_v1_scheduler import LLM
-    from minipaged.viz import plot_token_budget
 
     torch.set_num_threads(1)
     llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from minipaged.exercise import REPO_DIR, solution_functions, stage_files, tutorial_for
+from minipaged.learn.exercise import REPO_DIR, solution_functions, stage_files, tutorial_for
 
 pytestmark = pytest.mark.tooling
 

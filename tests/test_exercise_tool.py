@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import minipaged
-from minipaged.exercise import (
+from minipaged.learn.exercise import (
     REPO_DIR,
     WORKSPACE_MARK,
     SolutionMarkerError,
@@ -244,7 +244,7 @@ def test_grade_table_format():
 
 
 def test_the_mutant_catalogue_patches_solutions_only_and_covers_every_stage():
-    from minipaged.mutants import CATALOGUE, apply_mutant
+    from minipaged.learn.mutants import CATALOGUE, apply_mutant
 
     files = stage_files()
     for mutant in CATALOGUE:  # each old text occurs once, inside a solution region
@@ -256,7 +256,7 @@ def test_the_mutant_catalogue_patches_solutions_only_and_covers_every_stage():
 
 
 def test_a_patch_outside_a_solution_is_refused():
-    from minipaged.mutants import Mutant, apply_mutant
+    from minipaged.learn.mutants import Mutant, apply_mutant
 
     source = (stage_files()[1]).read_text()
     outside = Mutant(1, "outside", (("class OutOfBlocksError(RuntimeError):", "class OutOfBlocksError(Exception):"),))
@@ -268,7 +268,7 @@ def test_a_patch_outside_a_solution_is_refused():
 
 
 def test_a_surviving_mutant_is_reported():
-    from minipaged.mutants import Mutant, format_mutants, run_mutants
+    from minipaged.learn.mutants import Mutant, format_mutants, run_mutants
 
     harmless = Mutant(1, "an equivalent rewrite", (("return len(self._free_stack)", "return len(self._free_stack) + 0"),))
     wrong = Mutant(1, "double free accepted", (("        if self._is_free[block_id]:\n            raise ValueError(",
@@ -283,7 +283,7 @@ def test_a_surviving_mutant_is_reported():
 def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
     """The catalogue collects only the files ``stage_test_files`` names: every test pytest marks
     ``stageN`` must be in one of them, however its mark was given."""
-    from minipaged.mutants import stage_test_files
+    from minipaged.learn.mutants import stage_test_files
 
     (tmp_path / "stage_marks.py").write_text(
         "def pytest_collection_finish(session):\n"
@@ -303,7 +303,7 @@ def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
 
 
 def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_cause():
-    from minipaged.exercise import StageResult, format_grades
+    from minipaged.learn.exercise import StageResult, format_grades
 
     rows = [StageResult(1, 5, 2, 0, ["tests/test_stage1_x.py::a", "tests/test_stage1_x.py::b"]),
             StageResult(2, 9, 0, 0), StageResult(3, 1, 4, 0, ["tests/test_stage3_x.py::c"])]
@@ -398,7 +398,7 @@ def test_no_file_of_a_workspace_quotes_the_solutions_it_asks_for(number, tmp_pat
 
 
 def test_the_quote_check_finds_the_mutant_catalogue():
-    catalogue = (REPO_DIR / "minipaged" / "mutants.py").read_text()
+    catalogue = (REPO_DIR / "minipaged" / "learn" / "mutants.py").read_text()
     for number in STAGES:
         secrets = solution_lines(stage_files()[number]) - given_lines(REPO_DIR / "minipaged", number)
         assert any(quotes(catalogue, line) for line in secrets), f"no stage-{number} line found in mutants.py"

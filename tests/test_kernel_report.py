@@ -5,7 +5,7 @@ import ast
 
 import pytest
 
-from minipaged import kernel_report as kr
+from minipaged.perf import kernel_report as kr
 
 pytestmark = pytest.mark.tooling
 
@@ -152,10 +152,10 @@ def test_the_stubs_of_an_exercise_workspace_compile_for_a_gpu_and_print_their_hi
     import subprocess
     import sys
 
-    from minipaged.exercise import PACKAGE_DIR, make_workspace, solution_regions
+    from minipaged.learn.exercise import PACKAGE_DIR, make_workspace, solution_regions
 
     workspace = make_workspace(5, tmp_path / "ex5")
-    code = ("from minipaged import kernel_report as kr\n"
+    code = ("from minipaged.perf import kernel_report as kr\n"
             "print('package', kr.__file__)\n"
             "for launch in kr.launches(128, 8, 16):\n"
             "    kr.compile_launch(launch, 90)\n"

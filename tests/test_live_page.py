@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged.live_page import PAGE, snapshot
+from minipaged.serving.live_page import PAGE, snapshot
 
 pytestmark = pytest.mark.serving
 

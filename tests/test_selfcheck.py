@@ -38,7 +38,7 @@ from minipaged import (
     SwapBlockSpaceManager,
     paged_attention_ref,
 )
-from minipaged.simulate import simulate_contiguous, simulate_paged, synthetic_requests
+from minipaged.perf.simulate import simulate_contiguous, simulate_paged, synthetic_requests
 from minipaged.stage5_triton_attention import PARTITION_SIZE
 
 pytestmark = pytest.mark.tooling

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minipaged import LLM, SamplingParams
-from minipaged.openai_protocol import ChoiceText
+from minipaged.serving.protocol import ChoiceText
 
 pytestmark = pytest.mark.serving
 

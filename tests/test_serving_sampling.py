@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.logits_processors import apply_logits_processors, process_row
+from minipaged.common.logits_processors import apply_logits_processors, process_row
 
 pytestmark = pytest.mark.serving
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 from helpers_serving import ThreadServer, sse_events
 
-import minipaged.serving
+import minipaged.serving.app
 from minipaged import SamplingParams
 from minipaged.cli import main
 from minipaged.stage10_v1_scheduler import LLM, V1Engine
@@ -78,7 +78,7 @@ def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
     def build_app(llm, *args, **kwargs):
         raise Built(llm)
 
-    monkeypatch.setattr(minipaged.serving, "build_app", build_app)
+    monkeypatch.setattr(minipaged.serving.app, "build_app", build_app)
     with pytest.raises(Built) as built:
         main(["serve", "--port", str(free_port()), "--threads", "1", *argv])
     llm = built.value.args[0]
@@ -90,10 +90,10 @@ def test_serve_v1_refuses_swap_before_serving(monkeypatch):
     def build_app(llm, *args, **kwargs):
         raise Built(llm)
 
-    monkeypatch.setattr(minipaged.serving, "build_app", build_app)
+    monkeypatch.setattr(minipaged.serving.app, "build_app", build_app)
     with pytest.raises(ValueError):
-        minipaged.serving.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="swap")
+        minipaged.serving.app.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="swap")
     with pytest.raises(Built):  # the same call with recompute builds the engine
-        minipaged.serving.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="recompute")
+        minipaged.serving.app.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="recompute")
     with pytest.raises(ValueError):
-        minipaged.serving.serve("tiny", port=free_port(), scheduler="v2")
+        minipaged.serving.app.serve("tiny", port=free_port(), scheduler="v2")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minipaged.simulate import (
+from minipaged.perf.simulate import (
     KINDS,
     format_usage_table,
     simulate_contiguous,

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from minipaged import threads
 from minipaged.cli import main
+from minipaged.common import threads
 
 pytestmark = pytest.mark.tooling
 

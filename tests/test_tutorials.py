@@ -1,4 +1,4 @@
-"""The tutorials show the stage's own code, read from the package by ``minipaged.show``.
+"""The tutorials show the stage's own code, read from the package by ``minipaged.learn.show``.
 
 Every function that holds a stage's solution appears in that stage's notebook, through a
 ``show(...)`` call of the function or of its class; what ``show`` displays is the file's
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.exercise import (
+from minipaged.learn.exercise import (
     make_workspace,
     solution_functions,
     solution_regions,
     stage_files,
     tutorial_for,
 )
-from minipaged.show import show
+from minipaged.learn.show import show
 from minipaged.stage1_block_allocator import BlockAllocator
 
 pytestmark = pytest.mark.tooling

@@ -239,13 +239,13 @@ def report(divisibility: bool = True, processes: int | None = None, **table) -> 
                 block_sizes=BLOCK_SIZES) | table
     head_dims = list(full["head_dims"])
     processes = max(1, min(processes or os.cpu_count() or 1, len(head_dims)))
-    package_root = str(Path(__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
            "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
     workers = []
     for i in range(processes):
         part = dict(full, head_dims=head_dims[i::processes])
-        worker = subprocess.Popen([sys.executable, "-c", "from minipaged.kernel_report import _worker; _worker()"],
+        worker = subprocess.Popen([sys.executable, "-c", "from minipaged.perf.kernel_report import _worker; _worker()"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env, cwd=package_root)
         workers.append((worker, json.dumps({"table": part, "divisibility": divisibility})))

@@ -19,7 +19,7 @@ Figure 12. This module is the layer that does it, over stage 7's ``LLMEngine``:
   chat completions, models, tokenize, detokenize, version, health, Prometheus metrics with
   vLLM's names) and ``GET /state``, the engine's queues and block map as JSON, drawn live by
   the page at ``GET /``. The protocol itself (request bodies, errors, stop strings in
-  streamed text) is in ``minipaged.openai_protocol``.
+  streamed text) is in ``minipaged.serving.protocol``.
 * ``serve`` checks its arguments and the port before it loads the model, then runs uvicorn;
   SIGTERM or SIGINT stop accepting requests, let the running ones go on for
   ``shutdown_timeout`` seconds, abort the rest and exit 0.
@@ -59,8 +59,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minipaged import live_page
-from minipaged.openai_protocol import (
+from minipaged.common.sampling_params import SEED_RANGE, RequestOutput, SamplingParams
+from minipaged.serving import live_page
+from minipaged.serving.protocol import (
     DEFAULT_MAX_LOGPROBS,
     ChatCompletionRequest,
     ChoiceText,
@@ -74,7 +75,6 @@ from minipaged.openai_protocol import (
     render_chat,
     special_tokens,
 )
-from minipaged.sampling_params import SEED_RANGE, RequestOutput, SamplingParams
 
 logger = logging.getLogger("minipaged.serving")
 
@@ -410,7 +410,7 @@ class AsyncEngine:
     # --- reading the engine
 
     def state(self) -> dict:
-        """The queues and the block map, for the live page (``minipaged.live_page``)."""
+        """The queues and the block map, for the live page (``minipaged.serving.live_page``)."""
         with self._lock:
             return live_page.snapshot(self.llm)
 

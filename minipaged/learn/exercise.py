@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # minipaged/, the folder above learn/
 REPO_DIR = PACKAGE_DIR.parent
 STAGE_FILE = re.compile(r"stage(\d+)_(\w+)\.py$")
 WORKSPACE_MARK = ".minipaged-exercise"  # written into every workspace: --force replaces only those
@@ -354,7 +354,7 @@ def run_tests(directory: Path, *pytest_args: str) -> dict[str, dict]:
         env = {**os.environ, "MINIPAGED_REPORT": str(report)}
         env.pop("PYTEST_ADDOPTS", None)
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
-                   "-p", "minipaged._pytest_report", *pytest_args]  # no stage test runs a notebook
+                   "-p", "minipaged.learn.pytest_report", *pytest_args]  # no stage test runs a notebook
         subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
         if not report.exists():
             raise RuntimeError(f"pytest wrote no report in {directory}: is it a workspace?")

@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from minipaged.sampling_params import SamplingParams
+from minipaged.common.sampling_params import SamplingParams
 
 
 def process_row(row: torch.Tensor, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minipaged.sampling_params import SamplingParams, find_stop_string
+from minipaged.common.sampling_params import SamplingParams, find_stop_string
 
 logger = logging.getLogger("minipaged.serving")
 

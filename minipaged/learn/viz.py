@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.simulate import KINDS, SimulationResult
+from minipaged.perf.simulate import KINDS, SimulationResult
 from minipaged.stage0_contiguous import ContiguousKVCache
 
 COLORS = {

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from minipaged.exercise import REPO_DIR, copy_workspace, solution_regions, stage_files
+from minipaged.learn.exercise import REPO_DIR, copy_workspace, solution_regions, stage_files
 
 TIMEOUT_S = 600  # a mutant that makes the tests hang counts as killed, by the timeout
 

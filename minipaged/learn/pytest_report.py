@@ -1,6 +1,6 @@
 """A pytest plugin that records each test's outcome, stage markers and reason for failing, as JSON.
 
-Loaded by the exercise tool with ``-p minipaged._pytest_report``; writes to the file
+Loaded by the exercise tool with ``-p minipaged.learn.pytest_report``; writes to the file
 named by the ``MINIPAGED_REPORT`` environment variable. A failing test's ``reason`` is the
 line of the test where it failed (``path:line: source``, often the ``assert``) and the
 first line of the error (``assert 2 == 3``, ``NotImplementedError: stage 1: ...``).

@@ -36,7 +36,7 @@ class SamplingParams:
     ``temperature`` below ``1e-5`` (0 included) is greedy, and then ``top_k``, ``top_p`` and
     ``min_p`` are off; a temperature in ``(1e-5, 1e-2)`` is raised to ``1e-2`` (vLLM does the
     same: smaller ones overflow). ``top_k=-1`` keeps every token. The penalties, ``logit_bias``,
-    ``min_tokens`` and ``min_p`` are applied by ``minipaged.logits_processors``.
+    ``min_tokens`` and ``min_p`` are applied by ``minipaged.common.logits_processors``.
     """
 
     n: int = 1

@@ -20,7 +20,7 @@ import html
 import inspect
 from pathlib import Path
 
-from minipaged.exercise import BEGIN, END, find_workspace, solution_regions
+from minipaged.learn.exercise import BEGIN, END, find_workspace, solution_regions
 
 SOLUTION_BACKGROUND = "#fff3c4"
 SUMMARY_STYLE = "cursor:pointer;font-size:85%;color:#7a5b00;background:#fff3c4;padding:1px 6px"

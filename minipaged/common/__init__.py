@@ -1,0 +1,1 @@
+"""What every stage shares: sampling parameters and outputs, logits processors, thread counts."""

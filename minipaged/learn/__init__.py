@@ -1,0 +1,1 @@
+"""The learner's and the teacher's tools: exercises, grading, the mutant catalogue, ``show``, pictures."""
