@@ -47,7 +47,7 @@ def main() -> None:
             rest = llm.generate(prompts[1:], params, use_tqdm=False)
             seconds = time.perf_counter() - start
             rows[f"{name}/{'on' if caching else 'off'}"] = {
-                "prefill_tokens": llm.stats["prefill_tokens"], "hits": llm.stats["prefix_cache_hits"],
+                "prefill_tokens": llm.stats.prefill_tokens, "hits": llm.stats.prefix_cache_hits,
                 "requests_per_s": count / seconds, "outputs": [o.outputs[0].token_ids for o in first + rest]}
         on, off = rows[f"{name}/on"], rows[f"{name}/off"]
         assert on["outputs"] == off["outputs"], "caching changed an output"

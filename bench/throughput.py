@@ -179,12 +179,12 @@ def main() -> None:
         seconds = {"minipaged": [], "transformers": [], "transformers_cb": []}
         outside = []
         for _ in range(repeats):  # the three sides in turn, so that a busy spell touches each alike
-            timer.seconds, steps_before = 0.0, llm.stats["steps"]
+            timer.seconds, steps_before = 0.0, llm.stats.steps
             start = time.perf_counter()
             results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             seconds["minipaged"].append(time.perf_counter() - start)
             outside.append(1 - timer.seconds / seconds["minipaged"][-1])
-            steps = llm.stats["steps"] - steps_before
+            steps = llm.stats.steps - steps_before
             tokens = [r.outputs[0].token_ids for r in results]
             assert sum(map(len, tokens)) == wanted
             seconds["transformers"].append(hf_static_batches(hf, prompts, outputs, batch, pad_id=0))

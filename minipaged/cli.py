@@ -89,14 +89,14 @@ def _engine_demo(args: argparse.Namespace) -> None:
     stats = llm.stats
     lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
     print("\nSummary")
-    print(f"  peak KV memory in use:           {stats['peak_blocks_used']} blocks = "
-          f"{stats['peak_blocks_used'] * 16} token slots")
+    print(f"  peak KV memory in use:           {stats.peak_blocks_used} blocks = "
+          f"{stats.peak_blocks_used * 16} token slots")
     print(f"  contiguous reservation would need {sum(lengths)} slots even with exact lengths (oracle), "
           f"{len(lengths) * llm.max_model_len} at max_model_len={llm.max_model_len} (max)")
-    print(f"  KV utilisation (slots holding K/V among those in use): {100 * stats['kv_utilization']:.1f}%")
-    print(f"  preemptions: {stats['preemptions']}, blocks swapped out: {stats['swapped_out_blocks']}, "
-          f"in: {stats['swapped_in_blocks']}; {stats['steps']} steps, {stats['prefill_tokens']} prefill and "
-          f"{stats['decode_tokens']} decode tokens\n")
+    print(f"  KV utilisation (slots holding K/V among those in use): {100 * stats.kv_utilization:.1f}%")
+    print(f"  preemptions: {stats.num_preemptions}, blocks swapped out: {stats.num_swapped_out_blocks}, "
+          f"in: {stats.num_swapped_in_blocks}; {stats.steps} steps, {stats.prefill_tokens} prefill and "
+          f"{stats.decode_tokens} decode tokens\n")
 
 
 def _demo(args: argparse.Namespace) -> int:

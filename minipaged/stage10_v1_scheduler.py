@@ -33,18 +33,21 @@ same tokens and log-probabilities for any budget, from 1 token up.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from minipaged.common.sampling_params import SamplingParams, check_int
+from minipaged import stage9_prefix_caching
+from minipaged.common.config import EngineConfig, check_int
+from minipaged.common.sampling_params import SamplingParams
+from minipaged.common.stats import SchedulerStats
 from minipaged.models import AttentionMetadata
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage6_scheduler import Sequence, SequenceStatus
 from minipaged.stage7_engine import LLMEngine, Request
-from minipaged.stage9_prefix_caching import LLM as PrefixCachingLLM
 from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
 
 
@@ -146,8 +149,7 @@ class V1Scheduler:
         self.running: list[Request] = []  # in the order they were admitted: the oldest first
         self.finished_req_ids: list[Hashable] = []  # for the runner, at the next step
         self.num_tokens_sent: dict[Hashable, int] = {}  # tokens of each request the runner holds
-        self.num_preemptions = self.peak_blocks_used = 0
-        self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0  # V1 never swaps
+        self._stats = SchedulerStats(num_gpu_blocks=self.block_manager.num_total_blocks)
 
     def add(self, request: Request) -> None:
         """Queue a request of one sequence; ``ValueError`` for one that could never be served."""
@@ -165,6 +167,12 @@ class V1Scheduler:
 
     def has_unfinished(self) -> bool:
         return any(not r.is_finished() for r in (*self.waiting, *self.running))
+
+    def make_stats(self) -> SchedulerStats:
+        """Its queues now and its counters since it started (it never swaps)."""
+        manager = self.block_manager
+        return dataclasses.replace(self._stats, num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                                   num_used_blocks=manager.num_total_blocks - manager.num_free_blocks)
 
     def finish(self, seq: Sequence) -> None:
         """A running sequence is done: its blocks go back, and the runner drops its row next step."""
@@ -202,7 +210,7 @@ class V1Scheduler:
         # END SOLUTION
         out.preempted.append(request)
         out.preempted_req_ids.append(request.request_id)
-        self.num_preemptions += 1
+        self._stats.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; the rules, each checked by a test of its own:
@@ -262,7 +270,7 @@ class V1Scheduler:
             request.seqs[0].num_computed_tokens += out.num_scheduled_tokens[request.request_id]
         # END SOLUTION
         used = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
-        self.peak_blocks_used = max(self.peak_blocks_used, used)
+        self._stats.peak_blocks_used = max(self._stats.peak_blocks_used, used)
         return out
 
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
@@ -377,57 +385,53 @@ class V1Engine(LLMEngine):
             raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
         return super().add_request(request_id, prompt, params)
 
-    def step(self):
-        """Schedule, run the model, sample for the requests that finished their prompt, return outputs."""
-        out = self.last_scheduler_output = self.scheduler.schedule()  # kept for pictures of the steps
-        if not out.num_scheduled_tokens:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler found nothing to run although requests remain")
-            return []
-        try:
-            req_ids, logits = self.runner.execute_model(out)
-            requests = [self.requests[r] for r in req_ids]
-            seqs = [r.seqs[0] for r in requests]
-            tokens, logprobs = self.sampler(logits, seqs, [r.params for r in requests])
-            chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
-            for i, request in enumerate(requests):
-                self.append_token(request, seqs[i], tokens[i], chosen[i], logprobs[i])
-        except BaseException:  # drop what this step touched: every block back
-            for request in out.scheduled + out.preempted:
-                self.abort_request(request.request_id)
-            raise
-        decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)  # a sampled token, fed back
-        self.counters["steps"] += 1
-        self.counters["decode_tokens"] += decodes
-        self.counters["prefill_tokens"] += out.total_num_scheduled_tokens - decodes
-        token, held = self.scheduler.kv_cache_manager.num_slots(
-            [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING])
-        self.counters["token_slots"] += token
-        self.counters["held_slots"] += held
-        outputs = [self.output(r) for r in requests]
-        for o in outputs:
-            if o.finished:
-                del self.requests[o.request_id]
-        return outputs
+    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:
+        """Run the step; sample for the requests that finished their prompt: those, in order."""
+        req_ids, logits = self.runner.execute_model(out)
+        requests = [self.requests[r] for r in req_ids]
+        seqs = [r.seqs[0] for r in requests]
+        tokens, logprobs = self.sampler(logits, seqs, [r.params for r in requests])
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+        for i, request in enumerate(requests):
+            self.append_token(request, seqs[i], tokens[i], chosen[i], logprobs[i])
+        self.last_scheduler_output = out  # kept for pictures of the steps
+        return requests
+
+    def requests_touched(self, out: SchedulerOutput) -> list[Request]:
+        return out.scheduled + out.preempted
+
+    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:
+        """A decode is a request fed back the token it sampled; every other token is a prompt's."""
+        decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)
+        running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
+        token, held = self.scheduler.kv_cache_manager.num_slots(running)
+        return out.total_num_scheduled_tokens - decodes, decodes, token, held
 
 
-class LLM(PrefixCachingLLM):
+class LLM(stage9_prefix_caching.LLM):
     """The engine of stage 9 with V1's scheduling: ``LLM(max_num_batched_tokens=...)``, any budget >= 1."""
 
-    def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 preemption_mode: str = "recompute", enable_prefix_caching: bool = True, **kwargs) -> None:
-        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if preemption_mode != "recompute" or enable_prefix_caching is not True:
+    engine_class = V1Engine
+
+    def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, **kwargs) -> None:
+        super().__init__(model, max_num_batched_tokens=max_num_batched_tokens,
+                         enable_prefix_caching=enable_prefix_caching, **kwargs)
+
+    def check_config(self, config: EngineConfig) -> EngineConfig:
+        if config.preemption_mode != "recompute" or not config.enable_prefix_caching:
             raise ValueError("V1 preempts by recompute only, and prefix caching is always on")
-        super().__init__(model, enable_prefix_caching=True, max_num_seqs=max_num_seqs, **kwargs)
-        manager, old = self.scheduler.block_manager, self.engine  # stage 9's parts; the scheduler is replaced
-        self.scheduler = V1Scheduler(KVCacheManager(manager), max_num_batched_tokens=max_num_batched_tokens,
-                                     max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
-        runner = V1ModelRunner(self.model, self.cache, manager.block_size, max_num_seqs, self.max_model_len,
-                               old.runner.backend)
-        self.engine = V1Engine(self.scheduler, runner, old.sampler, tokenizer=self.tokenizer,
-                               eos_token_ids=old.eos_token_ids, vocab_size=self.config.vocab_size,
-                               seed=kwargs.get("seed", 0))
+        return config
+
+    def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:
+        c = self.config
+        return V1Scheduler(KVCacheManager(block_manager), max_num_batched_tokens=c.max_num_batched_tokens,
+                           max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
+
+    def build_runner(self) -> V1ModelRunner:
+        c = self.config
+        return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
+                             self.attention_backend())
 
     def beam_search(self, prompts, params=None):
         raise ValueError("stage 10 serves one sequence per request: use stage 8's or 9's LLM for beam search")

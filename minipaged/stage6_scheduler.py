@@ -31,6 +31,7 @@ again and again, in both modes, every output is the same.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import itertools
 from collections.abc import Hashable
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipaged.common.config import PREEMPTION_MODES, check_choice
+from minipaged.common.stats import SchedulerStats
 from minipaged.stage2_block_table import BlockTable
 from minipaged.stage3_copy_on_write import (
     CowBlockSpaceManager,
@@ -113,6 +116,10 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
 
 
 class SwapBlockSpaceManager(CowBlockSpaceManager):
@@ -217,8 +224,7 @@ class Scheduler:
     def __init__(self, block_manager: SwapBlockSpaceManager, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int = 2048,
                  preemption_mode: str = "recompute", watermark: float = 0.01) -> None:
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode: expected 'recompute' or 'swap', got {preemption_mode!r}")
+        check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
         if preemption_mode == "swap" and block_manager.cpu_allocator is None:
             raise ValueError("preemption_mode='swap' needs a CPU block pool (num_cpu_blocks >= 1)")
         needed, total = block_manager.blocks_needed(max_model_len), block_manager.num_total_blocks
@@ -237,8 +243,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self._arrivals = itertools.count()
-        self.num_preemptions = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
-        self.peak_blocks_used = 0
+        self._stats = SchedulerStats(num_gpu_blocks=total)  # its counters; make_stats() adds the queues
 
     def add(self, group: SequenceGroup) -> None:
         """Queue a new request; ``ValueError`` at once for one that could never be served."""
@@ -263,6 +268,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return any(not g.is_finished() for g in (*self.waiting, *self.running, *self.swapped))
 
+    def make_stats(self) -> SchedulerStats:
+        """Its queues now, and its counters since it started: preemptions, blocks swapped out and
+        in (one per block moved), the most blocks ever in use at the end of a step."""
+        manager = self.block_manager
+        return dataclasses.replace(self._stats, num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                                   num_swapped_reqs=len(self.swapped),
+                                   num_used_blocks=manager.num_total_blocks - manager.num_free_blocks)
+
     def abort(self, request_id: Hashable) -> bool:
         """Drop a request wherever it is, its blocks freed; False if it is not here."""
         for queue in (self.waiting, self.running, self.swapped):
@@ -286,14 +299,14 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
-        self.num_preemptions += 1
+        self._stats.num_preemptions += 1
         out.preempted.append(group)
         manager, ids = self.block_manager, [s.seq_id for s in group.seqs_with(SequenceStatus.RUNNING)]
         # BEGIN SOLUTION swap the whole group out if the mode and the CPU pool allow, else free it for recompute
         if self.preemption_mode == "swap" and manager.can_swap_out(ids):
             pairs = manager.swap_out(ids)
             out.blocks_to_swap_out += pairs
-            self.num_swapped_out_blocks += len(pairs)
+            self._stats.num_swapped_out_blocks += len(pairs)
             for seq in group.seqs_with(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, group, key=_arrival)
@@ -306,51 +319,52 @@ class Scheduler:
         # END SOLUTION
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step; the rules, each checked by a test of its own:
-
-        1. Decode every running group, oldest first: one new slot (``append_slot``) for each of its
-           running sequences. When ``can_append_slots`` says no, preempt the newest running group
-           (the last of ``running``), possibly the one asking, until it says yes.
-        2. Unless something was preempted in this step: swap in swapped groups, oldest first,
-           stopping at the first that does not fit — ``can_swap_in`` with the watermark, the
-           running sequences plus every sequence the group may run (``max_num_running_seqs``)
-           within ``max_num_seqs``, and its swapped sequences (one token each) within the token
-           budget — then give each of its sequences its next slot and schedule one token each.
-        3. Unless something was preempted in this step or anything waits in swap: admit waiting
-           groups, oldest first, stopping at the first that does not fit — the blocks of its
-           waiting sequences (``blocks_needed`` of each one's full length) plus the watermark must
-           be free, ``max_num_seqs`` as above, and its tokens (each waiting sequence's full
-           length) within the budget left (a group larger than the whole budget runs alone, when
-           nothing else is scheduled yet); ``allocate`` each sequence, set its
-           ``num_computed_tokens`` to what ``allocate`` returns, and schedule the tokens not
-           already in the cache.
+        """Decide the next step, in three phases, as vLLM's scheduler sections them: the running
+        groups (``_schedule_running``), then the swapped ones (``_schedule_swapped``), then the
+        waiting ones (``_schedule_prefills``). The rules of each phase are in its docstring.
 
         The token budget starts at ``max_num_batched_tokens``; every token scheduled in this step
         comes off it — the decodes', the swap-ins', and each admitted group's scheduled tokens —
-        and ``max_num_seqs`` counts the swapped-in and admitted groups likewise. The watermark is
-        ``watermark_blocks`` while something runs — a group decoded, swapped in or admitted in
-        this step — and 0 while nothing does (nothing could free blocks then).
+        and ``max_num_seqs`` counts the running, swapped-in and admitted groups alike (each as
+        ``max_num_running_seqs``). The watermark is ``watermark_blocks`` while something runs — a
+        group decoded, swapped in or admitted in this step — and 0 while nothing does (nothing
+        could free blocks then).
+
+        Returns the batch, the block moves of the step (the copy-on-write copies last), and the
+        groups it preempted. Each phase lists its groups in the order it takes them, a group's
+        sequences together; the order of the phases within ``scheduled`` is not a rule (the
+        runner takes any order). Queues stay in arrival order.
+        """
+        out = SchedulerOutput()
+        self.running = [g for g in self.running if not g.is_finished()]
+        self._schedule_running(out)
+        # BEGIN SOLUTION the budget left after the decodes; the watermark only if something runs
+        budget, num_seqs = self.max_num_batched_tokens - len(out.scheduled), self._num_running_seqs()
+        watermark = self.watermark_blocks if self.running else 0  # nothing can free blocks: no watermark
+        # END SOLUTION
+        budget, num_seqs, watermark = self._schedule_swapped(out, budget, num_seqs, watermark)
+        self._schedule_prefills(out, budget, num_seqs, watermark)
+        out.blocks_to_copy = self.block_manager.take_copies()
+        used = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
+        self._stats.peak_blocks_used = max(self._stats.peak_blocks_used, used)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Phase 1: decode every running group, oldest first — one new slot (``append_slot``) for
+        each of its running sequences, one token each. When ``can_append_slots`` says no, preempt
+        the newest running group (the last of ``running``), possibly the one asking, until it says
+        yes.
 
         A preempted group is swapped out whole if the mode is ``swap`` and ``can_swap_out`` says
         the CPU pool has room: its running sequences marked ``SWAPPED``, the group in ``swapped``,
         its ``(gpu, cpu)`` pairs in ``blocks_to_swap_out`` and their number added to
         ``num_swapped_out_blocks``. Otherwise it is recomputed: its blocks freed,
-        ``num_computed_tokens`` set to 0, marked ``WAITING``, back in ``waiting``. A swap-in adds
-        its ``(cpu, gpu)`` pairs to ``blocks_to_swap_in`` and their number to
-        ``num_swapped_in_blocks``. Queues stay in arrival order.
-
-        Returns the batch, the block moves of the step, and the groups it preempted. Each phase
-        lists its groups in the order it takes them, a group's sequences together; the order of
-        the phases within ``scheduled`` is not a rule (the runner takes any order). This one lists
-        decodes first; vLLM V0's default scheduler runs a step of prefills alone when nothing is
-        swapped, and mixes prefills with decodes (listing prefills first) only with chunked
-        prefill; V1 schedules running requests before waiting ones under one token budget.
+        ``num_computed_tokens`` set to 0, marked ``WAITING``, back in ``waiting``.
         """
-        out, manager = SchedulerOutput(), self.block_manager
-        self.running = [g for g in self.running if not g.is_finished()]
-        # BEGIN SOLUTION decode the running groups (oldest first), then swap in, then admit, as the docstring says
+        manager = self.block_manager
+        # BEGIN SOLUTION oldest first; preempt the newest group until the blocks are there
         i = 0
-        while i < len(self.running):  # 1. decode, preempting the newest group when blocks are missing
+        while i < len(self.running):
             group = self.running[i]
             seqs = group.seqs_with(SequenceStatus.RUNNING)
             while not manager.can_append_slots([s.seq_id for s in seqs]):
@@ -364,9 +378,22 @@ class Scheduler:
                     out.scheduled.append((seq, 1))
                 out.scheduled_groups.append(group)
                 i += 1
-        budget, num_seqs = self.max_num_batched_tokens - len(out.scheduled), self._num_running_seqs()
-        watermark = self.watermark_blocks if self.running else 0  # nothing can free blocks: no watermark
-        while not out.preempted and self.swapped:  # 2. swap in, oldest first
+        # END SOLUTION
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, num_seqs: int,
+                          watermark: int) -> tuple[int, int, int]:
+        """Phase 2, unless something was preempted in this step: swap in swapped groups, oldest
+        first, stopping at the first that does not fit — ``can_swap_in`` with the watermark, the
+        sequences scheduled plus every sequence the group may run within ``max_num_seqs``, and its
+        swapped sequences (one token each) within the token budget — then give each of its
+        sequences its next slot and schedule one token each. A swap-in adds its ``(cpu, gpu)``
+        pairs to ``blocks_to_swap_in`` and their number to ``num_swapped_in_blocks``.
+
+        Returns ``(budget, num_seqs, watermark)`` after it.
+        """
+        manager = self.block_manager
+        # BEGIN SOLUTION oldest first, while it fits; each swap-in spends budget and sequences
+        while not out.preempted and self.swapped:
             group = self.swapped[0]
             seqs = group.seqs_with(SequenceStatus.SWAPPED)
             ids = [s.seq_id for s in seqs]
@@ -375,13 +402,27 @@ class Scheduler:
                 break
             pairs = manager.swap_in(ids)
             out.blocks_to_swap_in += pairs
-            self.num_swapped_in_blocks += len(pairs)
+            self._stats.num_swapped_in_blocks += len(pairs)
             self.swapped.pop(0)
             for seq in seqs:
                 manager.append_slot(seq.seq_id)
             self._run(group, [(s, 1) for s in seqs], out)
             budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks
-        while not out.preempted and not self.swapped and self.waiting:  # 3. admit, oldest first
+        return budget, num_seqs, watermark
+        # END SOLUTION
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int, num_seqs: int, watermark: int) -> None:
+        """Phase 3, unless something was preempted in this step or anything waits in swap: admit
+        waiting groups, oldest first, stopping at the first that does not fit — the blocks of its
+        waiting sequences (``blocks_needed`` of each one's full length) plus the watermark must be
+        free, ``max_num_seqs`` as above, and its tokens (each waiting sequence's full length)
+        within the budget left (a group larger than the whole budget runs alone, when nothing else
+        is scheduled yet); ``allocate`` each sequence, set its ``num_computed_tokens`` to what
+        ``allocate`` returns, and schedule the tokens not already in the cache.
+        """
+        manager = self.block_manager
+        # BEGIN SOLUTION oldest first, while blocks, sequences and tokens last
+        while not out.preempted and not self.swapped and self.waiting:
             group = self.waiting[0]
             seqs = group.seqs_with(SequenceStatus.WAITING)
             needed = sum(manager.blocks_needed(len(s)) for s in seqs)
@@ -396,9 +437,6 @@ class Scheduler:
             budget -= sum(n for _, n in out.scheduled[-len(seqs):])
             num_seqs, watermark = num_seqs + group.max_num_running_seqs(), self.watermark_blocks
         # END SOLUTION
-        out.blocks_to_copy = manager.take_copies()
-        self.peak_blocks_used = max(self.peak_blocks_used, manager.num_total_blocks - manager.num_free_blocks)
-        return out
 
     def _run(self, group: SequenceGroup, scheduled: list[tuple[Sequence, int]], out: SchedulerOutput) -> None:
         for seq, _ in scheduled:

@@ -29,27 +29,28 @@ log-probabilities (before temperature) of the tokens produced.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
+from minipaged.common.config import EngineConfig
 from minipaged.common.logits_processors import apply_logits_processors
 from minipaged.common.sampling_params import (
     CompletionOutput,
     RequestOutput,
     SamplingParams,
-    check_int,
     find_stop_string,
 )
+from minipaged.common.stats import EngineStats, Stats
 from minipaged.models import (
     AttentionMetadata,
     load_config,
+    load_eos_token_ids,
     load_model,
     load_tokenizer,
-    resolve_dtype,
     resolve_model_path,
 )
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
@@ -63,8 +64,6 @@ from minipaged.stage6_scheduler import (
     SwapBlockSpaceManager,
     SwapPagedKVCache,
 )
-
-BACKENDS = ("ref", "triton")
 
 
 @dataclass(eq=False)
@@ -197,7 +196,7 @@ class LLMEngine:
         self.eos_token_ids, self.vocab_size = set(eos_token_ids), vocab_size
         self.requests: dict[object, Request] = {}
         self._rng = torch.Generator().manual_seed(seed)
-        self.counters = dict.fromkeys(("steps", "prefill_tokens", "decode_tokens", "token_slots", "held_slots"), 0)
+        self.stats = EngineStats()
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -257,35 +256,54 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, and return the outputs of the requests that progressed."""
+        """Schedule, run the model, sample, and return the outputs of the requests that progressed.
+
+        An exception or Ctrl-C inside the step aborts every request it scheduled or preempted,
+        so that every block goes back and the engine keeps working."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.total_num_scheduled_tokens:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run although requests remain")
             return []
         try:
-            sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in out.scheduled_groups]
-            seqs = [s for s, _ in out.scheduled]
-            logits = self.runner.execute(out)
-            tokens, logprobs = self.sampler(logits, seqs, [g.params for g, k in zip(out.scheduled_groups, sizes,
-                                                                                     strict=True) for _ in range(k)])
-            chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
-            start = 0
-            for group, k in zip(out.scheduled_groups, sizes, strict=True):
-                rows = range(start, start + k)
-                self.process_outputs(group, [seqs[i] for i in rows], [tokens[i] for i in rows],
-                                     [chosen[i] for i in rows], logprobs[start:start + k], logits[start:start + k])
-                start += k
+            requests = self.execute_and_sample(out)
         except BaseException:  # an exception or Ctrl-C: drop what this step touched, every block back
-            for group in out.scheduled_groups + out.preempted:
-                self.abort_request(group.request_id)
+            for request in self.requests_touched(out):
+                self.abort_request(request.request_id)
             raise
-        self._count(out)
-        outputs = [self.output(g) for g in out.scheduled_groups]
+        self.stats.record_step(*self.step_counts(out))
+        outputs = [self.output(r) for r in requests]
         for o in outputs:
             if o.finished:
                 del self.requests[o.request_id]
         return outputs
+
+    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:
+        """Run the step's forward pass, sample a token for every scheduled sequence, append it:
+        the requests that progressed, in order."""
+        sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in out.scheduled_groups]
+        seqs = [s for s, _ in out.scheduled]
+        params = [g.params for g, k in zip(out.scheduled_groups, sizes, strict=True) for _ in range(k)]
+        logits = self.runner.execute(out)
+        tokens, logprobs = self.sampler(logits, seqs, params)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+        start = 0
+        for group, k in zip(out.scheduled_groups, sizes, strict=True):
+            rows = range(start, start + k)
+            self.process_outputs(group, [seqs[i] for i in rows], [tokens[i] for i in rows],
+                                 [chosen[i] for i in rows], logprobs[start:start + k], logits[start:start + k])
+            start += k
+        return out.scheduled_groups
+
+    def requests_touched(self, out: SchedulerOutput) -> list[Request]:
+        """The requests a failed step may have left half done: the scheduled and the preempted."""
+        return out.scheduled_groups + out.preempted
+
+    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:
+        """The step's prefill tokens, decode tokens, and KV slots holding a token and held."""
+        usage = self.scheduler.block_manager.usage()
+        prefill = sum(n for _, n in out.scheduled if n > 1)
+        return prefill, sum(1 for _, n in out.scheduled if n == 1), usage.token, usage.token + usage.internal
 
     def process_outputs(self, request: Request, seqs: list[SampledSequence], tokens: list[int],
                         chosen: list[float], logprobs: torch.Tensor, logits: torch.Tensor) -> None:
@@ -325,104 +343,69 @@ class LLMEngine:
                    for i, s in enumerate(request.seqs)]
         return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs, done)
 
-    def _count(self, out: SchedulerOutput) -> None:
-        usage = self.scheduler.block_manager.usage()
-        c = self.counters
-        c["steps"] += 1
-        c["prefill_tokens"] += sum(n for _, n in out.scheduled if n > 1)
-        c["decode_tokens"] += sum(1 for _, n in out.scheduled if n == 1)
-        c["token_slots"] += usage.token
-        c["held_slots"] += usage.token + usage.internal
-
-    @property
-    def stats(self) -> dict:
-        """Counters since the engine started: steps, tokens, preemptions, blocks, KV utilisation."""
-        c, s = self.counters, self.scheduler
-        return {"steps": c["steps"], "prefill_tokens": c["prefill_tokens"], "decode_tokens": c["decode_tokens"],
-                "preemptions": s.num_preemptions, "swapped_out_blocks": s.num_swapped_out_blocks,
-                "swapped_in_blocks": s.num_swapped_in_blocks, "peak_blocks_used": s.peak_blocks_used,
-                "num_gpu_blocks": s.block_manager.num_total_blocks,
-                "kv_utilization": c["token_slots"] / c["held_slots"] if c["held_slots"] else 0.0}
-
 
 class LLM:
-    """A serving engine on a paged KV cache, over a local Hugging Face model (or ``"tiny"``)."""
+    """A serving engine on a paged KV cache, over a local Hugging Face model (or ``"tiny"``).
+
+    Its arguments are ``EngineConfig``'s, checked before anything is loaded. It builds each
+    component once, by a method a higher stage may override to choose another: the block
+    manager, the scheduler, the runner, the engine.
+    """
 
     engine_class = LLMEngine
 
-    def __init__(self, model: str = "tiny", *, block_size: int = 16, num_gpu_blocks: int | None = None,
-                 kv_cache_memory: int = 256 * 2**20, num_cpu_blocks: int | None = None,
-                 max_model_len: int | None = None, preemption_mode: str = "recompute", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, attention_backend: str = "ref",
-                 dtype: str | torch.dtype = "float32", device: str = "cpu", seed: int = 0) -> None:
-        check_int("block_size", block_size, 1)
-        check_int("num_gpu_blocks", num_gpu_blocks, 1, allow_none=True)
-        check_int("num_cpu_blocks", num_cpu_blocks, 0, allow_none=True)
-        check_int("max_model_len", max_model_len, 1, allow_none=True)
-        check_int("max_num_seqs", max_num_seqs, 1)
-        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, allow_none=True)
-        check_int("kv_cache_memory", kv_cache_memory, 1)
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend: expected one of {BACKENDS}, got {attention_backend!r}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode: expected 'recompute' or 'swap', got {preemption_mode!r}")
-        backend = paged_attention_ref
-        if attention_backend == "triton":
-            from minipaged.stage5_triton_attention import paged_attention_triton
-
-            backend = paged_attention_triton
+    def __init__(self, model: str = "tiny", **kwargs) -> None:
+        config = EngineConfig(model=model, **kwargs)
         path = resolve_model_path(model)
-        self.dtype, self.device = resolve_dtype(dtype), torch.device(device)
-        c = self.config = load_config(path)
-        if max_model_len is not None and max_model_len > c.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's {c.max_position_embeddings} positions")
-        if num_gpu_blocks is None:
-            num_gpu_blocks = max(1, kv_cache_memory // (block_size * c.kv_bytes_per_token(self.dtype)))
-        self.max_model_len = max_model_len or min(c.max_position_embeddings, num_gpu_blocks * block_size)
-        if c.sliding_window and self.max_model_len > c.sliding_window:
-            raise ValueError(f"this model uses sliding-window attention beyond {c.sliding_window} tokens, "
-                             f"which minipaged does not implement: pass max_model_len <= {c.sliding_window}")
-        if num_cpu_blocks is None:
-            num_cpu_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
-        cpu_allocator = RefCountedBlockAllocator(num_cpu_blocks) if num_cpu_blocks else None
-        manager = self.build_block_manager(num_gpu_blocks, block_size, cpu_allocator)
-        self.scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, preemption_mode=preemption_mode)
+        self.model_config = load_config(path)
+        self.config = config = self.check_config(config.resolve(self.model_config))
+        self.dtype, self.device = config.torch_dtype, torch.device(config.device)
+        self.max_model_len = config.max_model_len
+        self.scheduler = self.build_scheduler(self.build_block_manager())
         self.model, _ = load_model(path, self.dtype, self.device)
         self.tokenizer = load_tokenizer(path)
-        self.cache = SwapPagedKVCache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                      self.dtype, self.device, num_cpu_blocks)
-        generation = path / "generation_config.json"
-        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-        eos_ids = set(c.eos_token_ids) | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.engine = self.engine_class(self.scheduler, ModelRunner(self.model, self.cache, manager, backend),
-                                        Sampler(eos_ids), tokenizer=self.tokenizer, eos_token_ids=eos_ids,
-                                        vocab_size=c.vocab_size, seed=seed)
+        mc = self.model_config
+        self.cache = SwapPagedKVCache(mc.num_layers, config.num_gpu_blocks, config.block_size, mc.num_kv_heads,
+                                      mc.head_dim, self.dtype, self.device, config.num_cpu_blocks)
+        eos_ids = load_eos_token_ids(path)
+        self.engine = self.engine_class(self.scheduler, self.build_runner(), Sampler(eos_ids),
+                                        tokenizer=self.tokenizer, eos_token_ids=eos_ids,
+                                        vocab_size=mc.vocab_size, seed=config.seed)
         self._request_ids = itertools.count()
 
-    def build_block_manager(self, num_gpu_blocks: int, block_size: int,
-                            cpu_allocator: RefCountedBlockAllocator | None) -> SwapBlockSpaceManager:
-        """The block manager the scheduler and the runner share."""
-        return SwapBlockSpaceManager(RefCountedBlockAllocator(num_gpu_blocks), block_size, cpu_allocator)
+    def check_config(self, config: EngineConfig) -> EngineConfig:
+        """What this stage's engine cannot serve, refused before anything is built (none here)."""
+        return config
+
+    def build_block_manager(self) -> SwapBlockSpaceManager:
+        """The block manager the scheduler and the runner share, with a CPU pool for swapping."""
+        c = self.config
+        cpu_allocator = RefCountedBlockAllocator(c.num_cpu_blocks) if c.num_cpu_blocks else None
+        return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, cpu_allocator)
+
+    def build_scheduler(self, block_manager: SwapBlockSpaceManager) -> Scheduler:
+        c = self.config
+        return Scheduler(block_manager, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                         max_model_len=c.max_model_len, preemption_mode=c.preemption_mode)
+
+    def build_runner(self) -> ModelRunner:
+        return ModelRunner(self.model, self.cache, self.scheduler.block_manager, self.attention_backend())
+
+    def attention_backend(self):
+        """Stage 4's reference, or stage 5's Triton kernels (imported only when asked for)."""
+        if self.config.attention_backend == "triton":
+            from minipaged.stage5_triton_attention import paged_attention_triton
+
+            return paged_attention_triton
+        return paged_attention_ref
 
     def next_request_id(self) -> int:
         return next(self._request_ids)
 
     @property
-    def stats(self) -> dict:
-        return self.engine.stats
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def num_swapped_blocks(self) -> int:
-        return self.scheduler.num_swapped_out_blocks
-
-    @property
-    def peak_blocks_used(self) -> int:
-        return self.scheduler.peak_blocks_used
+    def stats(self) -> Stats:
+        """What the engine and the scheduler counted since this ``LLM`` was made."""
+        return Stats(engine=dataclasses.replace(self.engine.stats), scheduler=self.scheduler.make_stats())
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -28,15 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.common.sampling_params import SamplingParams, check_int
+from minipaged import stage7_engine
+from minipaged.common.config import check_int
+from minipaged.common.sampling_params import SamplingParams
 from minipaged.stage6_scheduler import SequenceStatus
-from minipaged.stage7_engine import LLM as EngineLLM
-from minipaged.stage7_engine import (
-    LLMEngine,
-    Request,
-    SampledSequence,
-    sample,
-)
+from minipaged.stage7_engine import LLMEngine, Request, SampledSequence, sample
 
 
 @dataclass
@@ -185,7 +181,7 @@ class SharingEngine(LLMEngine):
         return new_beams
 
 
-class LLM(EngineLLM):
+class LLM(stage7_engine.LLM):
     """Stage 7's engine with parallel sampling (``n > 1``) and beam search on shared blocks."""
 
     engine_class = SharingEngine

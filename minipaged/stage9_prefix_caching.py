@@ -30,16 +30,18 @@ and preemptions — while computing fewer prefill tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+from minipaged import stage8_sharing
+from minipaged.common.stats import PrefixCacheStats, Stats
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage2_block_table import BlockTable
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage6_scheduler import SwapBlockSpaceManager
-from minipaged.stage8_sharing import LLM as SharingLLM
 
 ROOT = bytes(32)  # the parent hash of a first block
 
@@ -65,7 +67,7 @@ class PrefixCachingAllocator:
         self.cached: dict[bytes, int] = {}  # hash -> block
         self.hash_of: dict[int, bytes] = {}  # block -> hash
         self.evictor: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
-        self.num_queries = self.num_hits = self.num_evictions = 0
+        self._stats = PrefixCacheStats()  # lookups, hits, evictions: make_stats()
 
     @property
     def num_total_blocks(self) -> int:
@@ -90,7 +92,7 @@ class PrefixCachingAllocator:
         """Free blocks first; then the least recently used cached ones, forgotten. All or nothing.
 
         ``OutOfBlocksError`` if fewer than ``num_blocks`` are free, counting the evictor. An
-        evicted block loses its hash (it can no longer be found) and counts in ``num_evictions``.
+        evicted block loses its hash (it can no longer be found) and counts as an eviction.
         """
         if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(num_blocks, self.num_free_blocks)
@@ -99,7 +101,7 @@ class PrefixCachingAllocator:
         while len(ids) < num_blocks:
             block_id, _ = self.evictor.popitem(last=False)
             del self.cached[self.hash_of.pop(block_id)]
-            self.num_evictions += 1
+            self._stats.evictions += 1
             ids.append(block_id)
         return ids
         # END SOLUTION
@@ -119,20 +121,24 @@ class PrefixCachingAllocator:
         """The cached block named ``digest``, with one more reference for the caller; None if there is none.
 
         A block waiting in the evictor leaves it (its reference becomes the caller's); a block in
-        use is shared (``incref``). Counts ``num_queries`` and ``num_hits``.
+        use is shared (``incref``). Counts the lookup, and the hit if it is one (``make_stats``).
         """
-        self.num_queries += 1
+        self._stats.queries += 1
         # BEGIN SOLUTION revive it from the evictor (its reference becomes the caller's), or share it
         block_id = self.cached.get(digest)
         if block_id is None:
             return None
-        self.num_hits += 1
+        self._stats.hits += 1
         if block_id in self.evictor:
             del self.evictor[block_id]
         else:
             self.inner.incref(block_id)
         return block_id
         # END SOLUTION
+
+    def make_stats(self) -> PrefixCacheStats:
+        """Its lookups, hits and evictions since it was made."""
+        return dataclasses.replace(self._stats)
 
     def cache(self, block_id: int, digest: bytes) -> None:
         """Make a full block, its K/V computed, findable by ``digest`` (the first block named so keeps it)."""
@@ -196,24 +202,19 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         super().free(seq_id)
 
 
-class LLM(SharingLLM):
+class LLM(stage8_sharing.LLM):
     """The whole engine: ``LLM(enable_prefix_caching=True)`` reuses cached prefixes."""
 
-    def __init__(self, model: str = "tiny", *, enable_prefix_caching: bool = False, **kwargs) -> None:
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        self.enable_prefix_caching = enable_prefix_caching
-        super().__init__(model, **kwargs)
-
-    def build_block_manager(self, num_gpu_blocks, block_size, cpu_allocator) -> SwapBlockSpaceManager:
-        if not self.enable_prefix_caching:
-            return super().build_block_manager(num_gpu_blocks, block_size, cpu_allocator)
-        return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(num_gpu_blocks), block_size, cpu_allocator)
+    def build_block_manager(self) -> SwapBlockSpaceManager:
+        c = self.config
+        if not c.enable_prefix_caching:
+            return super().build_block_manager()
+        cpu_allocator = RefCountedBlockAllocator(c.num_cpu_blocks) if c.num_cpu_blocks else None
+        return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size, cpu_allocator)
 
     @property
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
         allocator = self.scheduler.block_manager.allocator
-        cached = isinstance(allocator, PrefixCachingAllocator)
-        return {**super().stats, "prefix_cache_hits": allocator.num_hits if cached else 0,
-                "prefix_cache_hit_rate": allocator.num_hits / max(allocator.num_queries, 1) if cached else 0.0,
-                "prefix_cache_evictions": allocator.num_evictions if cached else 0}
+        if not isinstance(allocator, PrefixCachingAllocator):
+            return super().stats
+        return dataclasses.replace(super().stats, prefix_cache=allocator.make_stats())

@@ -454,26 +454,26 @@ def stage7_llm():
 
 
 def test_stage7_kv_bytes_of_the_tiny_model(stage7_llm):
-    c = stage7_llm.config
+    c = stage7_llm.model_config
     per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
     assert per_token == c.kv_bytes_per_token(torch.float32)
     check(7, 0, c.num_layers, c.num_kv_heads, c.head_dim, f"{per_token:,}")
 
 
 def test_stage7_steps_of_one_request(stage7_llm):
-    before = dict(stage7_llm.stats)
+    before = stage7_llm.stats
     stage7_llm.generate([{"prompt_token_ids": list(range(5, 15))}],
                         SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
     after = stage7_llm.stats
-    check(7, 1, after["steps"] - before["steps"], after["prefill_tokens"] - before["prefill_tokens"],
-          after["decode_tokens"] - before["decode_tokens"])
+    check(7, 1, after.steps - before.steps, after.prefill_tokens - before.prefill_tokens,
+          after.decode_tokens - before.decode_tokens)
 
 
 def test_stage7_n_samples_prefill_n_times(stage7_llm):
-    before = dict(stage7_llm.stats)
+    before = stage7_llm.stats
     stage7_llm.generate([{"prompt_token_ids": list(range(5, 25))}],
                         SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True), use_tqdm=False)
-    check(7, 2, stage7_llm.stats["prefill_tokens"] - before["prefill_tokens"])
+    check(7, 2, stage7_llm.stats.prefill_tokens - before.prefill_tokens)
 
 
 def test_stage7_worst_case_blocks_of_a_request():
@@ -494,8 +494,8 @@ def test_stage8_shared_samples_hold_fewer_blocks():
     shared.generate(prompt, params, use_tqdm=False)
     unshared = UnsharedLLM(model="tiny", num_gpu_blocks=64)
     unshared.generate(prompt, params, use_tqdm=False)
-    check(8, 0, shared.stats["peak_blocks_used"], unshared.stats["peak_blocks_used"],
-          shared.stats["prefill_tokens"], unshared.stats["prefill_tokens"])
+    check(8, 0, shared.stats.peak_blocks_used, unshared.stats.peak_blocks_used,
+          shared.stats.prefill_tokens, unshared.stats.prefill_tokens)
 
 
 # Stage 9 ------------------------------------------------------------------------------------
@@ -578,7 +578,7 @@ def test_stage8_text_parallel_sampling_table():
     for cls in (LLM, UnsharedLLM):
         llm = cls(model="tiny", num_gpu_blocks=64)
         llm.generate(prompt, params, use_tqdm=False)
-        rows.append((llm.stats["peak_blocks_used"], llm.stats["prefill_tokens"]))
+        rows.append((llm.stats.peak_blocks_used, llm.stats.prefill_tokens))
     text = PAGES[8].read_text(encoding="utf-8")
     assert f"| stage 8: one request, `n = 4`, shared | {rows[0][0]} | {rows[0][1]} |" in text
     assert f"| stage 7: four requests seeded one apart, unshared | {rows[1][0]} | {rows[1][1]} |" in text
@@ -601,8 +601,8 @@ def test_stage9_text_shared_system_prompt():
     tokens = len(llm.tokenizer.encode(system).ids)
     in_words = {6: "six"}[1 + len(questions)]
     expected = (f"A {tokens}-token system prompt in front of {in_words} questions, blocks of 16: "
-                f"{stats[False]['prefill_tokens']} prefill tokens without caching, {stats[True]['prefill_tokens']} "
-                f"with ({stats[True]['prefix_cache_hits']} block hits)")
+                f"{stats[False].prefill_tokens} prefill tokens without caching, {stats[True].prefill_tokens} "
+                f"with ({stats[True].prefix_cache_hits} block hits)")
     assert expected in " ".join(PAGES[9].read_text(encoding="utf-8").split())
 
 

@@ -41,7 +41,7 @@ def test_outputs_under_preemption_equal_outputs_with_unlimited_memory(mode, seed
 
     squeezed, _ = serve(scheduler, cache, requests, check=count_moves)
     assert squeezed == unlimited
-    assert scheduler.num_preemptions >= 5  # the small cache really forced preemptions
+    assert scheduler.make_stats().num_preemptions >= 5  # the small cache really forced preemptions
     if mode == "swap":  # blocks really went to the CPU, and every one came back
         assert moved["out"] > 0 and moved["in"] == moved["out"]
     assert scheduler.block_manager.num_free_blocks == 18  # nothing leaked
@@ -455,9 +455,9 @@ def test_counters_count_the_blocks_swapped_out_and_in():
     scheduler, _ = make(16, "swap", num_cpu_blocks=16, max_model_len=32)
     group = fork_group(scheduler, [1] * 9, width=3)  # 3 blocks, all shared
     preempt(scheduler, group)
-    assert (scheduler.num_swapped_out_blocks, scheduler.num_swapped_in_blocks) == (3, 0)  # each block once
+    assert (scheduler.make_stats().num_swapped_out_blocks, scheduler.make_stats().num_swapped_in_blocks) == (3, 0)  # each block once
     scheduler.schedule()
-    assert (scheduler.num_swapped_out_blocks, scheduler.num_swapped_in_blocks) == (3, 3)
+    assert (scheduler.make_stats().num_swapped_out_blocks, scheduler.make_stats().num_swapped_in_blocks) == (3, 3)
 
 
 class FourCachedTokens(SwapBlockSpaceManager):

@@ -70,7 +70,7 @@ def test_a_lookup_shares_a_block_in_use_and_revives_one_in_the_evictor():
     assert allocator.lookup(name) == block and allocator.ref_count(block) == 1  # revived
     assert list(allocator.evictor) == [] and allocator.num_free_blocks == 1
     assert allocator.lookup(block_hash(ROOT, [2, 1])) is None
-    assert (allocator.num_queries, allocator.num_hits) == (3, 2)
+    assert (allocator.make_stats().queries, allocator.make_stats().hits) == (3, 2)
 
 
 def test_the_allocator_evicts_only_when_the_free_blocks_run_out_and_then_forgets_the_name():
@@ -82,8 +82,8 @@ def test_the_allocator_evicts_only_when_the_free_blocks_run_out_and_then_forgets
     allocator.free(blocks[1])
     allocator.free(blocks[0])  # the evictor holds blocks[1], then blocks[0]: oldest first
     (fresh,) = allocator.allocate(1)
-    assert fresh not in blocks and allocator.num_evictions == 0  # a never-named block first
-    assert allocator.allocate(1) == [blocks[1]] and allocator.num_evictions == 1  # the least recent
+    assert fresh not in blocks and allocator.make_stats().evictions == 0  # a never-named block first
+    assert allocator.allocate(1) == [blocks[1]] and allocator.make_stats().evictions == 1  # the least recent
     assert allocator.lookup(names[1]) is None and allocator.lookup(names[0]) == blocks[0]
     with pytest.raises(OutOfBlocksError):
         allocator.allocate(1)
@@ -98,9 +98,9 @@ def test_outputs_with_caching_equal_outputs_without(workload):
     assert run(cached, batches) == run(plain, batches)
     stats, base = cached.stats, plain.stats
     if workload == "no-sharing":
-        assert stats["prefix_cache_hits"] == 0 and stats["prefill_tokens"] == base["prefill_tokens"]
+        assert stats.prefix_cache_hits == 0 and stats.prefill_tokens == base.prefill_tokens
     else:
-        assert stats["prefix_cache_hits"] > 0 and stats["prefill_tokens"] < base["prefill_tokens"]
+        assert stats.prefix_cache_hits > 0 and stats.prefill_tokens < base.prefill_tokens
 
 
 def test_same_outputs_under_memory_pressure_with_evictions_and_preemptions():
@@ -109,17 +109,17 @@ def test_same_outputs_under_memory_pressure_with_evictions_and_preemptions():
     plain = UncachedLLM("tiny", num_gpu_blocks=400)
     cached = LLM("tiny", num_gpu_blocks=14, max_model_len=128, enable_prefix_caching=True)
     assert run(cached, batches) == run(plain, batches)
-    assert cached.stats["preemptions"] > 0 and cached.stats["prefix_cache_hits"] > 0
-    assert cached.scheduler.block_manager.num_free_blocks == 14 and cached.stats["prefix_cache_evictions"] > 0
+    assert cached.stats.num_preemptions > 0 and cached.stats.prefix_cache_hits > 0
+    assert cached.scheduler.block_manager.num_free_blocks == 14 and cached.stats.prefix_cache.evictions > 0
 
 
 def test_the_prefill_of_a_cached_prefix_is_skipped():
     llm = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
     run(llm, [[SYSTEM + [5, 6, 7]]])
-    before = llm.stats["prefill_tokens"]
+    before = llm.stats.prefill_tokens
     run(llm, [[SYSTEM + [8, 9]]])  # 70 shared tokens: 4 full blocks of 16 are cached
-    assert llm.stats["prefill_tokens"] - before == 72 - 64
-    assert llm.stats["prefix_cache_hits"] == 4
+    assert llm.stats.prefill_tokens - before == 72 - 64
+    assert llm.stats.prefix_cache_hits == 4
 
 
 def test_the_hash_names_the_whole_prefix():
@@ -153,7 +153,7 @@ def test_eviction_is_least_recently_used_and_last_blocks_first():
     manager.free("a")
     assert list(manager.allocator.evictor) == [2, 1, 0] and manager.num_free_blocks == 5
     taken = manager.allocator.allocate(3)  # the free blocks 3 and 4, then the oldest cached: 2
-    assert taken == [3, 4, 2] and manager.allocator.num_evictions == 1
+    assert taken == [3, 4, 2] and manager.allocator.make_stats().evictions == 1
     for block_id in taken:
         manager.allocator.free(block_id)
     assert manager.allocate("b", [1, 2, 3, 4, 9]) == 4  # blocks 0 and 1 still hit
@@ -166,15 +166,15 @@ def test_eviction_is_least_recently_used_and_last_blocks_first():
 def test_beam_search_and_parallel_samples_hit_the_cache_too():
     llm = LLM("tiny", num_gpu_blocks=128, enable_prefix_caching=True)
     run(llm, [[SYSTEM + [5, 6, 7]]])
-    hits = llm.stats["prefix_cache_hits"]
+    hits = llm.stats.prefix_cache_hits
     beams = llm.beam_search([{"prompt_token_ids": SYSTEM + [8, 9]}], BeamSearchParams(3, 6, ignore_eos=True))
-    assert llm.stats["prefix_cache_hits"] == hits + 4  # 70 shared tokens: 4 full blocks of 16
+    assert llm.stats.prefix_cache_hits == hits + 4  # 70 shared tokens: 4 full blocks of 16
     plain = UncachedLLM("tiny", num_gpu_blocks=128)
     expected = plain.beam_search([{"prompt_token_ids": SYSTEM + [8, 9]}], BeamSearchParams(3, 6, ignore_eos=True))
     assert [s.token_ids for s in beams[0].sequences] == [s.token_ids for s in expected[0].sequences]
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
     sampled = llm.generate([{"prompt_token_ids": SYSTEM + [4]}], params, use_tqdm=False)[0]
-    assert llm.stats["prefix_cache_hits"] == hits + 8
+    assert llm.stats.prefix_cache_hits == hits + 8
     again = plain.generate([{"prompt_token_ids": SYSTEM + [4]}], params, use_tqdm=False)[0]
     assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
     assert llm.scheduler.block_manager.num_free_blocks == 128
@@ -255,9 +255,9 @@ def test_a_prompt_of_whole_blocks_still_computes_its_last_token():
     prompt = tokens(5, 64)  # exactly 4 blocks of 16
     llm = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
     first = run(llm, [[prompt]])
-    before = llm.stats["prefill_tokens"]
+    before = llm.stats.prefill_tokens
     assert run(llm, [[prompt]]) == first
-    assert llm.stats["prefill_tokens"] - before == 16  # 3 blocks hit; the block of the last token is computed
+    assert llm.stats.prefill_tokens - before == 16  # 3 blocks hit; the block of the last token is computed
 
 
 def test_the_walk_stops_at_the_first_miss():
@@ -267,4 +267,4 @@ def test_the_walk_stops_at_the_first_miss():
     cached = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
     batches = [[block + tokens(8, 5)], [other + block + tokens(9, 5)]]
     assert run(cached, batches) == run(plain, batches)
-    assert cached.stats["prefix_cache_hits"] == 0
+    assert cached.stats.prefix_cache_hits == 0

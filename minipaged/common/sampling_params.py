@@ -10,23 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minipaged.common.config import check_float, check_int
+
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (SAMPLING_EPS, this) is raised to this
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a torch.long, as vLLM's OpenAI server takes it
 MAX_N = 2**16  # sample i is seeded seed + i: every such seed must fit torch's generator
-
-
-def check_int(name: str, value, low: int, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}{' or None' if allow_none else ''}, got {value!r}")
-
-
-def check_float(name: str, value, low: float, high: float, *, open_low: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not (value > low if open_low else value >= low) or value > high:
-        raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}")
 
 
 @dataclass

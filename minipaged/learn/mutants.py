@@ -211,8 +211,8 @@ CATALOGUE: list[Mutant] = [
         "self._run(group, [(s, len(s)) for s in seqs], out)")),
     m(6, "admission spends the full length of the budget", ("budget -= sum(n for _, n in out.scheduled[-len(seqs):])",
                                                             "budget -= sum(len(s) for s in seqs)")),
-    m(6, "swapped-out blocks are not counted", ("            self.num_swapped_out_blocks += len(pairs)\n", "")),
-    m(6, "swapped-in blocks are not counted", ("            self.num_swapped_in_blocks += len(pairs)\n", "")),
+    m(6, "swapped-out blocks are not counted", ("            self._stats.num_swapped_out_blocks += len(pairs)\n", "")),
+    m(6, "swapped-in blocks are not counted", ("            self._stats.num_swapped_in_blocks += len(pairs)\n", "")),
     # stage 7: the engine
     m(7, "temperature multiplies", ("logits = logits / params.temperature", "logits = logits * params.temperature")),
     m(7, "top-k keeps one too many", ("kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth",
@@ -257,7 +257,7 @@ CATALOGUE: list[Mutant] = [
     m(9, "the block of the last token is looked up too", ("for start in range(0, (len(token_ids) - 1) // size * size, size):",
                                                           "for start in range(0, len(token_ids) // size * size, size):")),
     m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break", "            if block_id is None:\n                continue")),
-    m(9, "hits are not counted", ("        self.num_hits += 1\n", "")),
+    m(9, "hits are not counted", ("        self._stats.hits += 1\n", "")),
     # stage 10: V1's scheduler
     m(10, "decodes are not charged to the budget", ("            budget -= n\n            i += 1", "            budget -= n if n > 1 else 0\n            i += 1")),
     m(10, "a running prompt's chunk exceeds the budget", ("n = min(len(seq) - seq.num_computed_tokens, budget)", "n = len(seq) - seq.num_computed_tokens")),

@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 __all__ = ["AttentionMetadata", "ModelConfig", "TINY_MODEL_DIR", "load_config", "load_model", "load_tokenizer",
-           "resolve_model_path", "resolve_dtype"]
+           "load_eos_token_ids", "resolve_model_path", "resolve_dtype"]
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -111,3 +111,14 @@ def load_tokenizer(model: str | Path) -> Tokenizer | None:
     """The folder's ``tokenizer.json``, or None when it has none (token-id prompts only)."""
     path = resolve_model_path(model) / "tokenizer.json"
     return Tokenizer.from_file(str(path)) if path.exists() else None
+
+
+def load_eos_token_ids(model: str | Path) -> frozenset[int]:
+    """The tokens that end a sequence: ``config.json``'s ``eos_token_id`` and, where the folder
+    has one, ``generation_config.json``'s (as transformers' ``generate`` reads them)."""
+    path = resolve_model_path(model)
+    ids = set(load_config(path).eos_token_ids)
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)

@@ -197,7 +197,7 @@ def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 1
         _accumulate(totals, manager.usage().fractions(), running, saturated=bool(scheduler.waiting),
                     arriving=bool(pending))
         step += 1
-    return _result(f"paged/{block_size}", totals, step, scheduler.num_preemptions)
+    return _result(f"paged/{block_size}", totals, step, scheduler.make_stats().num_preemptions)
 
 
 def format_usage_table(results: list[SimulationResult]) -> str:

@@ -1,0 +1,114 @@
+"""One engine configuration, checked once where it is made, as vLLM's ``VllmConfig`` and
+nano-vllm's ``Config`` are; and the checks every component shares.
+
+``LLM(...)`` turns its arguments into an ``EngineConfig``: a wrong type or value is a
+``ValueError`` before any weight is read. ``resolve(model_config)`` then fills in what
+depends on the model (how many blocks fit ``kv_cache_memory``, the longest sequence, the
+swap space) and refuses what the model cannot serve. The components are given the numbers
+they need from it; none of them reads an argument of ``LLM`` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from minipaged.models import resolve_dtype
+
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("ref", "triton")
+
+
+def check_int(name: str, value, low: int, allow_none: bool = False) -> None:
+    """``ValueError`` unless ``value`` is an integer (not a bool) >= ``low`` (or None, if allowed)."""
+    if allow_none and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_float(name: str, value, low: float, high: float, *, open_low: bool = False) -> None:
+    """``ValueError`` unless ``value`` is a finite number in ``[low, high]`` (``(low, high]`` if ``open_low``)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (value > low if open_low else value >= low) or value > high:
+        raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """``ValueError`` unless ``value`` is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from, with vLLM's names and meanings.
+
+    ``None`` means "derive it" (``resolve``): ``num_gpu_blocks`` as many blocks as
+    ``kv_cache_memory`` bytes hold; ``max_model_len`` the model's positions or what the cache
+    holds, whichever is smaller; ``num_cpu_blocks`` as many as the GPU blocks when
+    ``preemption_mode="swap"``, else none; ``max_num_batched_tokens`` the scheduler's default.
+    """
+
+    model: str | os.PathLike = "tiny"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int = 256 * 2**20  # bytes of K/V when num_gpu_blocks is None
+    num_cpu_blocks: int | None = None  # swap space, in blocks
+    max_model_len: int | None = None
+    preemption_mode: str = "recompute"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = False
+    attention_backend: str = "ref"
+    dtype: str | torch.dtype = "float32"
+    device: str | torch.device = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, 1)
+        check_int("num_gpu_blocks", self.num_gpu_blocks, 1, allow_none=True)
+        check_int("num_cpu_blocks", self.num_cpu_blocks, 0, allow_none=True)
+        check_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
+        check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        check_int("seed", self.seed, -(2**63))
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.model, str | os.PathLike):
+            raise ValueError(f"model must be a folder or 'tiny', got {self.model!r}")
+        resolve_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device: {e}") from None
+
+    def resolve(self, model_config) -> EngineConfig:
+        """The same configuration with every ``None`` derived from ``model_config`` (a
+        ``ModelConfig``); ``ValueError`` for a length the model cannot serve."""
+        positions = model_config.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > positions:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {positions} positions")
+        num_gpu_blocks = self.num_gpu_blocks or max(
+            1, self.kv_cache_memory // (self.block_size * model_config.kv_bytes_per_token(self.torch_dtype)))
+        max_model_len = self.max_model_len or min(positions, num_gpu_blocks * self.block_size)
+        window = model_config.sliding_window
+        if window and max_model_len > window:
+            raise ValueError(f"this model uses sliding-window attention beyond {window} tokens, "
+                             f"which minipaged does not implement: pass max_model_len <= {window}")
+        num_cpu_blocks = self.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_gpu_blocks if self.preemption_mode == "swap" else 0
+        return dataclasses.replace(self, num_gpu_blocks=num_gpu_blocks, max_model_len=max_model_len,
+                                   num_cpu_blocks=num_cpu_blocks)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)

@@ -1,0 +1,100 @@
+"""Statistics objects, with vLLM's names: what a component counts, it returns as one of these.
+
+* ``PrefixCacheStats`` — a prefix cache's block lookups, hits and evictions (stage 9's
+  allocator: ``make_stats()``).
+* ``SchedulerStats`` — a scheduler's queues, preemptions, swapped blocks and blocks in use
+  (stages 6 and 10: ``make_stats()``).
+* ``EngineStats`` — what the engine's steps computed: steps, prefill and decode tokens,
+  and the KV slots that held a token against the slots held (stage 7's engine: ``stats``).
+* ``Stats`` — the three together, as ``LLM.stats`` gives them after ``generate``; the
+  server's metrics, the live page and the benchmarks read the same objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class PrefixCacheStats:
+    """Block lookups in a prefix cache, the hits among them, and cached blocks evicted."""
+
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class SchedulerStats:
+    """A scheduler's state and counters since it started."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_swapped_reqs: int = 0
+    num_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_gpu_blocks: int = 0
+    num_used_blocks: int = 0
+    peak_blocks_used: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of GPU blocks in use now (vLLM's ``kv_cache_usage``)."""
+        return self.num_used_blocks / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters since it started."""
+
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens computed for prompts (a recomputed sequence's too)
+    decode_tokens: int = 0  # one per sequence per decode step
+    token_slots: int = 0  # summed over steps: KV slots holding a token ...
+    held_slots: int = 0  # ... and KV slots held (reserved in a sequence's blocks)
+
+    def record_step(self, prefill_tokens: int, decode_tokens: int, token_slots: int, held_slots: int) -> None:
+        self.steps += 1
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+        self.token_slots += token_slots
+        self.held_slots += held_slots
+
+    @property
+    def kv_utilization(self) -> float:
+        """The share of held KV slots that held a token, over every step."""
+        return self.token_slots / self.held_slots if self.held_slots else 0.0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What an ``LLM`` counted, read after ``generate``: its engine's, its scheduler's and, with
+    prefix caching, its cache's statistics."""
+
+    engine: EngineStats
+    scheduler: SchedulerStats
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    # the figures a learner reads most, by their short names
+    steps = property(lambda self: self.engine.steps)
+    prefill_tokens = property(lambda self: self.engine.prefill_tokens)
+    decode_tokens = property(lambda self: self.engine.decode_tokens)
+    kv_utilization = property(lambda self: self.engine.kv_utilization)
+    num_preemptions = property(lambda self: self.scheduler.num_preemptions)
+    num_swapped_out_blocks = property(lambda self: self.scheduler.num_swapped_out_blocks)
+    num_swapped_in_blocks = property(lambda self: self.scheduler.num_swapped_in_blocks)
+    peak_blocks_used = property(lambda self: self.scheduler.peak_blocks_used)
+    num_gpu_blocks = property(lambda self: self.scheduler.num_gpu_blocks)
+    prefix_cache_hits = property(lambda self: self.prefix_cache.hits)
+
+    def as_dict(self) -> dict:
+        """Every figure, flat: the engine's, the scheduler's and the prefix cache's (``prefix_cache_*``)."""
+        return {**asdict(self.engine), "kv_utilization": self.kv_utilization, **asdict(self.scheduler),
+                "kv_cache_usage": self.scheduler.kv_cache_usage,
+                **{f"prefix_cache_{k}": v for k, v in asdict(self.prefix_cache).items()},
+                "prefix_cache_hit_rate": self.prefix_cache.hit_rate}
