@@ -20,11 +20,9 @@ Writes bench/results/attention_kernels.json and .png; the last line is the headl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,11 +34,11 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged.stage4_reference_attention import paged_attention_ref  # noqa: E402
 from minipaged.stage5_triton_attention import paged_attention_triton  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "A100-SXM4-80GB": 2039, "A100": 1555, "L40S": 864,
              "A10": 600, "L4": 300, "RTX 4090": 1008}  # HBM/GDDR bandwidth, GB/s
 
@@ -90,11 +88,10 @@ def timed(fn, device) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser = make_parser(__doc__, quick="fewer shapes")
     parser.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     if on_gpu:
@@ -135,7 +132,6 @@ def main() -> None:
             cells = "  ".join(f"{k} {ms:8.3f} ms {row['gbps'][k]:7.0f} GB/s" for k, ms in row["ms"].items())
             print(f"batch {batch:>3}  context {context:>5}:  {cells}")
             del case
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "attention_kernels.json").write_text(json.dumps(
         {"device": name, "dtype": str(dtype), "peak_gbps": peak, "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))

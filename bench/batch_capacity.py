@@ -14,7 +14,6 @@ is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -22,12 +21,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 from workloads import MAX_LEN, OPT_13B_SLOTS, TRACES, trace  # noqa: E402
 
 from minipaged.perf.simulate import simulate_contiguous, simulated_engine  # noqa: E402
 from minipaged.stage7_engine import SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 SCALE = {"ShareGPT": 1, "Alpaca": 40}  # Alpaca's requests are ~6x shorter: more arrive per step
 PAPER_SHAREGPT_2RPS = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
 
@@ -74,12 +73,9 @@ def plot(data: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests and rates")
-    parser.add_argument("--plot-only", action="store_true",
-                        help="redraw the plot from the saved results (bench/results/batch_capacity.json)")
+    parser = make_parser(__doc__, quick="fewer requests and rates", plot_only="batch_capacity")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     if args.plot_only:
         plot(json.loads((results_dir / "batch_capacity.json").read_text()), results_dir / "batch_capacity.png")
         return
@@ -93,7 +89,6 @@ def main() -> None:
             results[f"{name}/{rate}"] = row
             print(f"{name:<9} rate {rate * SCALE[name]:<5} req/step: "
                   + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "batch_capacity.json").write_text(json.dumps({"slots": OPT_13B_SLOTS, "results": results,
                                                              "paper_sharegpt_2rps": PAPER_SHAREGPT_2RPS}, indent=2))
     plot(json.loads((results_dir / "batch_capacity.json").read_text()), results_dir / "batch_capacity.png")

@@ -11,20 +11,18 @@ last line is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 from workloads import OPT_13B_SLOTS, TRACES, trace  # noqa: E402
 
 from minipaged.perf.simulate import simulate_paged  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
@@ -44,10 +42,9 @@ def kernel_latency_ms(block_size: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a shorter trace")
+    parser = make_parser(__doc__, quick="a shorter trace")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     results = {}
     for name in TRACES:
         count = (100 if args.quick else 400) * (1 if name == "ShareGPT" else 3)
@@ -62,7 +59,6 @@ def main() -> None:
         cells = "  ".join(f"{n} {100 * results[f'{n}/{size}']['token']:5.1f}% ({results[f'{n}/{size}']['running']:5.1f} running)"
                           for n in TRACES)
         print(f"block {size:>3}: {cells}" + (f"  kernel {latency[size]:.3f} ms" if gpu else ""))
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "block_size.json").write_text(json.dumps({"utilisation": results, "kernel_ms": latency}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for name in TRACES:

@@ -13,25 +13,23 @@ line is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import SamplingParams  # noqa: E402
 from minipaged.common.threads import apply_threads  # noqa: E402
 from minipaged.stage9_prefix_caching import LLM as Stage9LLM  # noqa: E402
 from minipaged.stage10_v1_scheduler import LLM as Stage10LLM  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 LONG_PROMPT, SHORT_PROMPT, BUDGETS = 480, 16, (64, 256, 1024)
 
 
@@ -71,11 +69,10 @@ def run(llm, shorts: list[list[int]], long_prompt: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 decoding requests instead of 32, one repeat")
+    parser = make_parser(__doc__, quick="16 decoding requests instead of 32, one repeat")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for every side (default: 1)")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     threads = apply_threads(args.threads)
     print(f"{threads} torch thread(s) for every side")
     rng = random.Random(0)
@@ -97,7 +94,6 @@ def main() -> None:
         print(f"{name:<24} inter-token p50 {r['itl_p50_ms']:6.1f} ms  p99 {r['itl_p99_ms']:6.1f} ms  "
               f"worst step {r['worst_step_ms']:6.1f} ms  long prompt's first token {r['ttft_ms']:6.1f} ms "
               f"({r['steps']:.0f} steps)")
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "chunked_prefill.json").write_text(json.dumps(
         {"decoding_requests": count, "long_prompt": LONG_PROMPT, "threads": threads, "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")

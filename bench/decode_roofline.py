@@ -17,7 +17,6 @@ the last line is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -25,10 +24,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged.perf.kernel_report import GPUS, decode_bound_us, decode_bytes, decode_programs  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 BATCHES = (1, 8, 64)
 CONTEXTS = (1024, 4096, 16384, 32768)
 
@@ -70,11 +69,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="write under bench/results/quick/")
+    parser = make_parser(__doc__, quick="write under bench/results/quick/")
     args = parser.parse_args()
-    out = RESULTS / "quick" if args.quick else RESULTS
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir_for(args)
     result = run()
     (out / "decode_roofline.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "decode_roofline.png")

@@ -9,14 +9,13 @@ Writes bench/results/memory_utilization.json and .png; the last line is the head
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged.learn.viz import plot_usage  # noqa: E402
 from minipaged.perf.simulate import (  # noqa: E402
@@ -27,20 +26,17 @@ from minipaged.perf.simulate import (  # noqa: E402
 )
 
 PAPER_TOKEN_SHARE = {"max": 20.4, "pow2": 26.8, "oracle": 38.2, "paged/16": 96.3}
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short trace")
+    parser = make_parser(__doc__, quick="a short trace")
     parser.add_argument("--slots", type=int, default=16384)
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     trace = synthetic_requests(150 if args.quick else 1000, rate=0.2, seed=0)
     results = [simulate_contiguous(trace, p, args.slots, 2048) for p in ("max", "pow2", "oracle")]
     results.append(simulate_paged(trace, args.slots // 16, 16))
     print(format_usage_table(results))
-    results_dir.mkdir(parents=True, exist_ok=True)
     payload = {r.policy: {"fractions": r.fractions, "mean_running": r.mean_running,
                           "paper_token_share": PAPER_TOKEN_SHARE[r.policy]} for r in results}
     (results_dir / "memory_utilization.json").write_text(json.dumps(payload, indent=2))

@@ -10,28 +10,25 @@ and .png; the last line is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import LLM, SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 PREFIXES = {"one-shot": 80, "five-shot": 340}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="12 requests instead of 32")
+    parser = make_parser(__doc__, quick="12 requests instead of 32")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     rng = random.Random(0)
     count = 12 if args.quick else 32
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -53,7 +50,6 @@ def main() -> None:
         assert on["outputs"] == off["outputs"], "caching changed an output"
         print(f"{name:<9} ({length} shared tokens): prefill tokens {off['prefill_tokens']} -> {on['prefill_tokens']}, "
               f"{on['hits']} block hits, {off['requests_per_s']:.1f} -> {on['requests_per_s']:.1f} requests/s")
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "prefix_caching.json").write_text(json.dumps(
         {k: {m: v for m, v in row.items() if m != "outputs"} for k, row in rows.items()}, indent=2))
     fig, ax = plt.subplots(figsize=(5, 3))

@@ -23,7 +23,6 @@ lowest rate. Writes bench/results/serving.json and .png; the last line is the he
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -39,6 +38,7 @@ matplotlib.use("Agg")
 import httpx  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import uvicorn  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import LLM  # noqa: E402
 from minipaged.common.threads import apply_threads  # noqa: E402
@@ -47,7 +47,6 @@ from minipaged.serving import build_app  # noqa: E402
 from minipaged.stage0_contiguous import ContiguousKVCache  # noqa: E402
 from minipaged.stage7_engine import LLMEngine  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 MAX_LEN, BLOCKS, BLOCK_SIZE = 512, 96, 16  # 1,536 token slots: three max-length requests
 TRACES = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}
 PAPER = "vLLM holds 1.7-2.7x the rate of Orca (oracle) and 2.7-8x Orca (max) on ShareGPT"
@@ -172,13 +171,12 @@ def headline(held: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one trace, fewer requests and rates")
+    parser = make_parser(__doc__, quick="one trace, fewer requests and rates")
     parser.add_argument("--threads", type=int, help="torch CPU threads, the same for every policy (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the saved results (bench/results/serving.json), measuring nothing")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     if args.plot_only:
         data = json.loads((results_dir / "serving.json").read_text())
         plot(data, results_dir / "serving.png")
@@ -215,7 +213,6 @@ def main() -> None:
         held[name] = {policy: max([rate for rate, row in rows.items() if row["normalized_latency"] <= threshold],
                                   default=0) for policy, rows in by_policy.items()}
         held[name]["threshold_ms_per_token"] = 1e3 * threshold
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "serving.json").write_text(json.dumps({"blocks": BLOCKS, "block_size": BLOCK_SIZE, "max_len": MAX_LEN,
                                                            "threads": threads,
                                                            "results": results, "held": held, "paper": PAPER}, indent=2))

@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,10 +41,11 @@ matplotlib.use("Agg")
 import httpx  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged.common.threads import choose_threads  # noqa: E402
+from minipaged.serving.launcher import start_server  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_STREAMS, MAX_REQUESTS = 256, 4096
 
@@ -63,7 +63,7 @@ def output_dir(args: argparse.Namespace) -> Path:
     overwrites the results the docs show."""
     custom = any(v is not None for v in (args.url, args.streams, args.requests_per_stream, args.prompt_len,
                                          args.max_tokens))
-    return RESULTS / "quick" if args.quick else RESULTS / "custom" if custom else RESULTS
+    return results_dir_for(args, custom, create=False)
 
 
 def cpu_name() -> str:
@@ -74,28 +74,11 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def start_server(max_model_len: int, threads: int, log) -> tuple[subprocess.Popen, str]:
+def start_tiny_server(max_model_len: int, threads: int, log) -> tuple[subprocess.Popen, str]:
     """``minipaged serve`` (the tiny model, ``threads`` torch threads) on a free loopback port; its
     messages go to ``log``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port),
-                                "--max-model-len", str(max_model_len), "--max-waiting", str(MAX_STREAMS),
-                                "--threads", str(threads)],
-                               stdout=subprocess.DEVNULL, stderr=log, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("the server stopped before answering")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the server did not start within 180 s")
+    return start_server("--max-model-len", str(max_model_len), "--max-waiting", str(MAX_STREAMS),
+                        "--threads", str(threads), stdout=subprocess.DEVNULL, stderr=log)
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -140,9 +123,8 @@ async def level(url: str, streams: int, num_requests: int, prompt_len: int, max_
                for q in (50, 99)}}
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two levels, short requests")
+def build_parser() -> argparse.ArgumentParser:
+    parser = make_parser(__doc__, quick="two levels, short requests")
     parser.add_argument("--url", help="a running minipaged server on the loopback interface (default: start one)")
     parser.add_argument("--streams", type=int, nargs="+", help="concurrency levels (default 1 2 4 ... 64)")
     parser.add_argument("--requests-per-stream", type=int, default=None, help="requests sent per stream (default 3)")
@@ -153,7 +135,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    parser = make_parser()
+    parser = build_parser()
     args = parser.parse_args()
     try:  # refuse any other host before anything runs
         url = loopback_url(args.url) if args.url else None
@@ -172,7 +154,7 @@ def main() -> None:
     if url is None:
         threads = choose_threads(args.threads)  # counted before the server and this client load the machine
         print(f"the server runs with {threads} torch thread(s); this client shares the machine", flush=True)
-        process, url = start_server(prompt_len + max_tokens, threads, log)
+        process, url = start_tiny_server(prompt_len + max_tokens, threads, log)
     try:
         rows = []
         for c in streams:

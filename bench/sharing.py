@@ -12,7 +12,6 @@ headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -20,12 +19,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import LLM as UnsharedLLM  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 TRACES = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}
 PAPER = {("Alpaca", "parallel"): "6.1-9.8%", ("Alpaca", "beam"): "37.6-55.2%",
          ("ShareGPT", "parallel"): "16.2-30.5%", ("ShareGPT", "beam"): "44.3-66.3%"}
@@ -100,12 +99,9 @@ def plot(data: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests")
-    parser.add_argument("--plot-only", action="store_true",
-                        help="redraw the plot from the saved results (bench/results/sharing.json)")
+    parser = make_parser(__doc__, quick="fewer requests", plot_only="sharing")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     if args.plot_only:
         plot(json.loads((results_dir / "sharing.json").read_text()), results_dir / "sharing.png")
         return
@@ -118,7 +114,6 @@ def main() -> None:
             results[f"{trace}/beam/{k}"] = beam_saving(requests, k)
             print(f"{trace:<9} n/width {k}: parallel sampling saves {100 * results[f'{trace}/parallel/{k}']:5.1f}%, "
                   f"beam search {100 * results[f'{trace}/beam/{k}']:5.1f}%")
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "sharing.json").write_text(json.dumps({"saving": results, "paper": {f"{a}/{b}": v for (a, b), v in PAPER.items()}}, indent=2))
     plot(json.loads((results_dir / "sharing.json").read_text()), results_dir / "sharing.png")
     print("memory saved by sharing, ours (paper): " + "; ".join(

@@ -15,23 +15,21 @@ last line is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import SamplingParams
 from minipaged.common.threads import apply_threads
 from minipaged.stage7_engine import LLM as Stage7LLM
 from minipaged.stage10_v1_scheduler import LLM as Stage10LLM
 
-RESULTS = Path(__file__).parent / "results"
 PROMPT = 16
 ENGINES = {"stage 7": Stage7LLM, "stage 10": Stage10LLM}
 
@@ -86,11 +84,10 @@ def run(llm_class, batch: int, steps: int, seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 decode steps and one run (default: 200 and 5)")
+    parser = make_parser(__doc__, quick="16 decode steps and one run (default: 200 and 5)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: the free cores)")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     threads = apply_threads(args.threads)
     steps, repeats = (16, 1) if args.quick else (200, 5)
     load_before = os.getloadavg()[0]
@@ -108,7 +105,6 @@ def main() -> None:
                   f"schedule {row['schedule_ms']:.2f}, inputs {row['inputs_ms']:.2f}, sample {row['sample_ms']:.2f}, "
                   f"rest {row['rest_ms']:.2f} ms")
     load_after = os.getloadavg()[0]
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "step_overhead.json").write_text(json.dumps(
         {"model": "tiny", "device": "cpu", "cores": len(os.sched_getaffinity(0)), "threads": threads,
          "torch_threads": torch.get_num_threads(), "load_before": load_before, "load_after": load_after,

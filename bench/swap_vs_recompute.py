@@ -14,21 +14,21 @@ bench/results/swap_vs_recompute.json and .png; the last line is the headline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import LLM  # noqa: E402
-from minipaged.stage6_scheduler import SchedulerOutput, Sequence, SwapBlockSpaceManager  # noqa: E402
+from minipaged.common.sequence import Sequence  # noqa: E402
+from minipaged.stage6_scheduler import SchedulerOutput  # noqa: E402
+from minipaged.stage6_swapping import SwapBlockSpaceManager  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 TOKENS = 512  # the tiny model's whole position table
 
@@ -67,10 +67,9 @@ def measure(size: int, device: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser = make_parser(__doc__, quick="fewer repeats")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     repeats = 2 if args.quick else 5
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = {}
@@ -79,7 +78,6 @@ def main() -> None:
         blocks = rows[size]["blocks"]
         print(f"block {size:>3} ({blocks:>4} blocks): swap out+in {rows[size]['swap_ms']:8.2f} ms, "
               f"recompute {rows[size]['recompute_ms']:8.2f} ms")
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "swap_vs_recompute.json").write_text(json.dumps({"device": device, "tokens": TOKENS, "rows": rows}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.loglog(SIZES, [rows[s]["swap_ms"] for s in SIZES], "o-", base=2, label="swap out + in")

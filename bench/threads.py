@@ -13,21 +13,19 @@ bench/results/threads.json (bench/results/quick/ with --quick); the last line is
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged.common.threads import free_cores
 from minipaged.stage7_engine import LLM, SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 32, 16, 64
 
 
@@ -41,10 +39,9 @@ def tokens_per_second(llm: LLM, threads: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one run per setting (default: the median of 3)")
+    parser = make_parser(__doc__, quick="one run per setting (default: the median of 3)")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     repeats = 1 if args.quick else 3
     cores = len(os.sched_getaffinity(0))
     settings = sorted({1, cores})
@@ -69,7 +66,6 @@ def main() -> None:
                 busy.wait()
         rows[-1]["free_cores_chose"] = chosen
         print(f"{condition:<14} free_cores() now chooses {chosen} (1-minute load {load:.2f})")
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "threads.json").write_text(json.dumps(
         {"model": "tiny", "cores": cores, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "repeats": repeats,
          "rows": rows}, indent=2))

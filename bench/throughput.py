@@ -21,7 +21,6 @@ redraws the .png from the saved .json without measuring anything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -36,12 +35,12 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+from harness import make_parser, results_dir_for  # noqa: E402
+
 from minipaged.common.threads import apply_threads  # noqa: E402
 from minipaged.models import resolve_model_path  # noqa: E402
 from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import LLM, SamplingParams  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def hf_static_batches(model, prompts, outputs, batch_size, pad_id) -> float:
@@ -133,8 +132,7 @@ def headline(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 requests and one run (the default: 128, 3 runs)")
+    parser = make_parser(__doc__, quick="64 requests and one run (the default: 128, 3 runs)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, help="max_num_seqs and transformers' batch size (default: 16, 32, 64)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -142,7 +140,7 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the saved results (bench/results/throughput.json), measuring nothing")
     args = parser.parse_args()
-    results_dir = RESULTS / "quick" if args.quick else RESULTS  # a quick run never overwrites the full results
+    results_dir = results_dir_for(args)
     if args.plot_only:
         data = json.loads((results_dir / "throughput.json").read_text())
         plot(data, results_dir / "throughput.png")
@@ -204,7 +202,6 @@ def main() -> None:
               f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours:.1f}x and "
               f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching"
               + (f" (medians of {repeats}; tokens/s ranged {spread})" if repeats > 1 else ""))
-    results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "throughput.json").write_text(json.dumps(
         {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
          "threads": threads, "repeats": repeats, "rows": rows}, indent=2))

@@ -1,7 +1,8 @@
 """minipaged: vLLM's PagedAttention, built in small graded stages.
 
-Each stage is one module, ``minipaged/stageN_<topic>.py``, that adds one idea and is
-checked against the stage below it.
+Each stage adds one idea, checked against the stage below it, in its module
+``minipaged/stageN_<topic>.py`` (or two, where the idea has two halves: stage 6's scheduler
+and its swapping, stage 7's engine and its sampler, stage 10's scheduler and its runner).
 """
 
 from minipaged.stage0_contiguous import (
@@ -27,23 +28,12 @@ try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4
 except ImportError:  # pragma: no cover
     paged_attention_triton = None
 
-from minipaged.stage6_scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-    SwapBlockSpaceManager,
-    SwapPagedKVCache,
-)
-from minipaged.stage7_engine import (
-    CompletionOutput,
-    LLMEngine,
-    ModelRunner,
-    RequestOutput,
-    Sampler,
-    SamplingParams,
-)
+from minipaged.common.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
+from minipaged.stage7_engine import LLMEngine
+from minipaged.stage7_model_runner import ModelRunner, Sampler
 from minipaged.stage8_sharing import (
     BeamSearchOutput,
     BeamSearchParams,

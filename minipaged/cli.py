@@ -9,11 +9,12 @@ from pathlib import Path
 
 
 def _exercise(args: argparse.Namespace) -> int:
-    from minipaged.learn.exercise import make_workspace
+    from minipaged.learn.exercise import files_to_write, make_workspace
 
     out = Path(args.out or f"minipaged-exercise-{args.stage}")
     workspace = make_workspace(args.stage, out, force=args.force)
-    print(f"Exercise {args.stage} written to {workspace}.")
+    files = " and ".join(f"minipaged/{path.name}" for path in files_to_write(args.stage, workspace / "minipaged"))
+    print(f"Exercise {args.stage} written to {workspace}: the stubs are in {files}.")
     print(f"Fill in the stubs, then run: cd {workspace} && {sys.executable} -m pytest -k stage{args.stage}")
     print(f"Grade every stage: {sys.executable} -m minipaged.cli grade {workspace}  (one stage: --stage {args.stage})")
     return 0
@@ -142,10 +143,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's options that ``generate`` and ``serve`` share (``EngineConfig``'s names)."""
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--backend", default="ref", choices=["ref", "triton"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
 
+
+def _add_learning_commands(sub) -> None:
     p = sub.add_parser("exercise", help="write a workspace where stage N's solutions are stubs")
     p.add_argument("stage", type=int)
     p.add_argument("--out", help="folder to write (default: ./minipaged-exercise-N)")
@@ -170,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile as if no pointer or stride were a multiple of 16, to see what that costs")
     p.set_defaults(run=_kernels)
 
+
+def _add_generate_command(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a model")
     p.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model folder")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
@@ -177,32 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="ref", choices=["ref", "triton"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int)
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
+    _add_engine_options(p)
     p.set_defaults(run=_generate)
 
+
+def _add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback only)")
     p.add_argument("model", nargs="?", default="tiny", help="'tiny' or a local Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait; more get HTTP 503")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--backend", default="ref", choices=["ref", "triton"])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
+    _add_engine_options(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model argument)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
@@ -211,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20, help="larger bodies get HTTP 413")
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.add_argument("--scheduler", default="v0", choices=["v0", "v1"],
                    help="v1: stage 10's engine (one token budget per step, chunked prefill, prefix caching)")
     p.set_defaults(run=_serve)
 
+
+def _add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")
     p.add_argument("--blocks", type=int, default=8, help="KV cache blocks for the engine demo")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -227,7 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.set_defaults(run=_demo)
 
-    args = parser.parse_args(argv)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_learning_commands(sub)
+    _add_generate_command(sub)
+    _add_serve_command(sub)
+    _add_demo_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as err:

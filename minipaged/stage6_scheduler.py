@@ -3,7 +3,9 @@
 Blocks let many sequences share memory; the scheduler decides, step by step, which of
 them run. It schedules **sequence groups**: the sequences of one request (one, most
 often; the samples or beams of a request from stage 8 on), which run, wait, move and
-are preempted together, as in vLLM. Each step it forms one batch:
+are preempted together, as in vLLM (``Sequence`` and ``SequenceGroup`` are in
+``minipaged/common/sequence.py``, as vLLM keeps them in ``vllm/sequence.py``). Each step it
+forms one batch:
 
 1. **Decode** every running group (one new token per sequence), oldest first. A
    sequence whose last block is full (or shared) needs a new block; if too few are free,
@@ -17,10 +19,9 @@ are preempted together, as in vLLM. Each step it forms one batch:
 
 A preempted group loses its place in memory in one of two ways (``preemption_mode``):
 **recompute** frees its blocks and puts it back in the waiting queue, in arrival order,
-with its generated tokens kept, to be prefilled again; **swap** copies its blocks to a
-pool of CPU blocks and frees the GPU ones, to be copied back later (if the CPU pool is
-full, it falls back to recompute). Blocks shared inside a group move once and stay
-shared. The block manager and the cache of stage 3 gain ``swap_out`` / ``swap_in``.
+with its generated tokens kept, to be prefilled again; **swap** moves its blocks to a pool
+of CPU blocks (``stage6_swapping``), to be moved back later (if the CPU pool is full, it
+falls back to recompute).
 
 A request that could never fit is refused when added, and a ``max_model_len`` the cache
 cannot hold is refused at construction, so the scheduler never waits for memory that
@@ -32,74 +33,14 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 import itertools
 from collections.abc import Hashable
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import torch
-
 from minipaged.common.config import PREEMPTION_MODES, check_choice
+from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.common.stats import SchedulerStats
-from minipaged.stage2_block_table import BlockTable
-from minipaged.stage3_copy_on_write import (
-    CowBlockSpaceManager,
-    CowPagedKVCache,
-    RefCountedBlockAllocator,
-)
-
-_seq_ids = itertools.count()
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sequence of tokens: its prompt, what it generated, and how much of it the cache holds."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def append_token(self, token_id: int) -> None:
-        """Record a generated token: the K/V of every token before it are now in the cache."""
-        self.num_computed_tokens = len(self)
-        self.output_token_ids.append(token_id)
-
-
-@dataclass(eq=False)
-class SequenceGroup:
-    """The sequences of one request, scheduled together. ``width``: the most it runs at once."""
-
-    request_id: Hashable
-    seqs: list[Sequence]
-    max_tokens: int  # tokens each sequence may generate
-    width: int = 1
-    arrival: int = -1  # set by Scheduler.add: the scheduler serves the smallest first
-
-    def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
-        return [s for s in self.seqs if s.status is status]
-
-    def is_finished(self) -> bool:
-        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
-
-    def max_num_running_seqs(self) -> int:
-        return max(self.width, len(self.seqs) - len(self.seqs_with(SequenceStatus.FINISHED)))
+from minipaged.stage6_swapping import SwapBlockSpaceManager
 
 
 def _arrival(group: SequenceGroup) -> int:
@@ -120,102 +61,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
-
-
-class SwapBlockSpaceManager(CowBlockSpaceManager):
-    """Stage 3's manager plus a pool of CPU blocks that sequences can be swapped out to."""
-
-    def __init__(self, allocator: RefCountedBlockAllocator, block_size: int = 16,
-                 cpu_allocator: RefCountedBlockAllocator | None = None) -> None:
-        super().__init__(allocator, block_size)
-        self.cpu_allocator = cpu_allocator
-        self.swapped_tables: dict[Hashable, BlockTable] = {}
-
-    def can_append_slots(self, seq_ids: Seq[Hashable]) -> bool:
-        """Whether every sequence of ``seq_ids`` can take one more token now."""
-        return sum(self.needs_new_block(s) for s in seq_ids) <= self.num_free_blocks
-
-    def _distinct_blocks(self, tables: dict[Hashable, BlockTable], seq_ids: Seq[Hashable]) -> int:
-        return len({b for s in seq_ids for b in tables[s].block_ids})
-
-    def _move(self, tables, seq_ids, source, target, dest_tables) -> list[tuple[int, int]]:
-        mapping: dict[int, int] = {}  # a block shared by several of seq_ids moves once
-        for seq_id in seq_ids:
-            table = tables.pop(seq_id)
-            for i, block_id in enumerate(table.block_ids):
-                if block_id in mapping:
-                    target.incref(mapping[block_id])
-                else:
-                    (mapping[block_id],) = target.allocate(1)
-                source.free(block_id)
-                table.block_ids[i] = mapping[block_id]
-            dest_tables[seq_id] = table
-        return list(mapping.items())
-
-    def can_swap_out(self, seq_ids: Seq[Hashable]) -> bool:
-        """Enough free CPU blocks for the distinct blocks of ``seq_ids``."""
-        # BEGIN SOLUTION
-        return self.cpu_allocator is not None and (
-            self._distinct_blocks(self.block_tables, seq_ids) <= self.cpu_allocator.num_free_blocks)
-        # END SOLUTION
-
-    def swap_out(self, seq_ids: Seq[Hashable]) -> list[tuple[int, int]]:
-        """Move the blocks of ``seq_ids`` to CPU blocks; return the ``(gpu, cpu)`` copies to do."""
-        # BEGIN SOLUTION
-        return self._move(self.block_tables, seq_ids, self.allocator, self.cpu_allocator, self.swapped_tables)
-        # END SOLUTION
-
-    def can_swap_in(self, seq_ids: Seq[Hashable], watermark: int = 0) -> bool:
-        """Enough free GPU blocks for the blocks of ``seq_ids``, the next token of each, and the watermark."""
-        # BEGIN SOLUTION a sequence grows into a new block if its last block is full or shared in the group
-        tables = [self.swapped_tables[s] for s in seq_ids]
-        lasts = [t.block_ids[-1] for t in tables]
-        growing = sum(t.num_tokens % self.block_size == 0 or lasts.count(t.block_ids[-1]) > 1 for t in tables)
-        return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark <= self.num_free_blocks
-        # END SOLUTION
-
-    def swap_in(self, seq_ids: Seq[Hashable]) -> list[tuple[int, int]]:
-        """Move the blocks of ``seq_ids`` back to GPU blocks; return the ``(cpu, gpu)`` copies to do."""
-        # BEGIN SOLUTION
-        return self._move(self.swapped_tables, seq_ids, self.cpu_allocator, self.allocator, self.block_tables)
-        # END SOLUTION
-
-    def free(self, seq_id: Hashable) -> None:
-        """Free the blocks of ``seq_id``, on the GPU or, if it is swapped out, on the CPU."""
-        if seq_id in self.swapped_tables:
-            for block_id in reversed(self.swapped_tables.pop(seq_id).block_ids):
-                self.cpu_allocator.free(block_id)
-        else:
-            super().free(seq_id)
-
-
-class SwapPagedKVCache(CowPagedKVCache):
-    """Stage 3's cache plus CPU copies of its blocks, per layer, for swapping."""
-
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                 dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0) -> None:
-        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-        shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
-        self.cpu_key_cache = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.cpu_value_cache = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-
-    def _copy(self, pairs, to_cpu: bool) -> None:
-        if pairs:
-            src, dst = (torch.tensor(ids) for ids in zip(*pairs, strict=True))
-            for gpu, cpu in zip(self.key_cache + self.value_cache, self.cpu_key_cache + self.cpu_value_cache, strict=True):
-                if to_cpu:
-                    cpu[dst] = gpu[src.to(gpu.device)].cpu()
-                else:
-                    gpu[dst.to(gpu.device)] = cpu[src].to(gpu.device)
-
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy GPU blocks to CPU blocks, ``(gpu, cpu)`` pairs, on every layer."""
-        self._copy(pairs, to_cpu=True)
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy CPU blocks back to GPU blocks, ``(cpu, gpu)`` pairs, on every layer."""
-        self._copy(pairs, to_cpu=False)
 
 
 class Scheduler:

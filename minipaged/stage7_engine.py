@@ -3,17 +3,9 @@
 Everything below this stage was machinery; this stage makes it serve text. It is built
 of parts with one job each, as vLLM and nano-vllm are:
 
-* ``ModelRunner`` — turns a ``SchedulerOutput`` into one forward pass: it applies the
-  step's block moves to the ``PagedKVCache``, flattens the new tokens of every scheduled
-  sequence into one batch (prefills and decodes together), builds the slot mapping and
-  block tables from the block manager, and runs the model, whose attention layers write
-  K/V through ``PagedKVCache.write`` and read through the block tables (stage 4's
-  reference or stage 5's Triton kernels, ``attention_backend``).
-* ``Sampler`` — logits to tokens, each sequence with its own parameters and generator:
-  ``temperature == 0`` is greedy (argmax); otherwise logits are divided by the
-  temperature, cut to the ``top_k`` most likely tokens and to the smallest set whose
-  probability reaches ``top_p``, and a token is drawn with the sequence's own seeded
-  generator, so a seeded request gives the same text every time.
+* ``ModelRunner`` and ``Sampler`` (``stage7_model_runner``) — one forward pass over the
+  step's new tokens, K/V through the paged cache, then one token per sequence, each with
+  its own parameters and seeded generator.
 * ``LLMEngine`` — the serving loop, with vLLM's names: ``add_request``,
   ``abort_request``, ``step`` (schedule, execute, sample, append the tokens, finish the
   sequences that stop) and ``has_unfinished_requests``. A request is a sequence group
@@ -37,16 +29,16 @@ import torch
 from tqdm.auto import tqdm
 
 from minipaged.common.config import EngineConfig
-from minipaged.common.logits_processors import apply_logits_processors
+from minipaged.common.processor import Processor
 from minipaged.common.sampling_params import (
     CompletionOutput,
     RequestOutput,
     SamplingParams,
     find_stop_string,
 )
+from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.common.stats import EngineStats, Stats
 from minipaged.models import (
-    AttentionMetadata,
     load_config,
     load_eos_token_ids,
     load_model,
@@ -55,15 +47,9 @@ from minipaged.models import (
 )
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
-from minipaged.stage6_scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-    SwapBlockSpaceManager,
-    SwapPagedKVCache,
-)
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
+from minipaged.stage7_model_runner import ModelRunner, Sampler
 
 
 @dataclass(eq=False)
@@ -88,105 +74,6 @@ class Request(SequenceGroup):
     seed: int = 0
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p: ``(vocab,)`` float32 logits, the cut ones at -inf.
-
-    In this order, each on the result of the one before: logits are divided by the
-    temperature (the kept logits are the divided ones); ``top_k > 0`` keeps the ``top_k``
-    largest (every token tied with the k-th value kept); ``top_p < 1`` keeps the smallest set
-    of most likely tokens whose probability — the softmax of what top-k left — reaches
-    ``top_p``: the token that crosses it is kept, so a tiny ``top_p`` keeps exactly the most
-    likely token; among tokens tied in probability only as many as the set needs are kept
-    (which of them is free).
-    """
-    # BEGIN SOLUTION divide by the temperature; keep the top_k largest; keep the smallest set reaching top_p
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= params.top_p  # the mass before this token already reaches top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-    # END SOLUTION
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from ``(vocab,)`` float32 logits: the argmax at temperature 0, else a draw from
-    the softmax of ``process_logits``, with ``generator`` (so a seeded sequence repeats itself)."""
-    # BEGIN SOLUTION greedy at temperature 0, else draw from softmax of the processed logits
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(process_logits(logits, params), dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-    # END SOLUTION
-
-
-class Sampler:
-    """Logits ``(num_seqs, vocab)`` to one token per sequence, and the log-probabilities of all.
-
-    First the rows whose params ask for penalties, ``logit_bias``, ``min_tokens`` or ``min_p``
-    are processed in place (``minipaged.common.logits_processors``; ``eos_token_ids`` are the tokens
-    ``min_tokens`` holds back)."""
-
-    def __init__(self, eos_token_ids=()) -> None:
-        self.eos_token_ids = frozenset(eos_token_ids)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence],
-                 params: list[SamplingParams]) -> tuple[list[int], torch.Tensor]:
-        apply_logits_processors(logits, seqs, params, self.eos_token_ids)
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows in one go; the others are drawn
-        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-            if p.temperature > 0:
-                tokens[i] = sample(logits[i], p, seq.generator)
-        return tokens, torch.log_softmax(logits, dim=-1)
-
-
-class ModelRunner:
-    """Runs the model on a step's new tokens, K/V through the paged cache."""
-
-    def __init__(self, model, cache: SwapPagedKVCache, block_manager: SwapBlockSpaceManager, backend) -> None:
-        self.model, self.cache, self.block_manager, self.backend = model, cache, block_manager, backend
-        self.device = cache.key_cache[0].device
-
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step: ``(num_seqs, vocab)`` float32 logits, one row per scheduled sequence, in order.
-
-        First the block moves, in this order: swap out, swap in, copy-on-write copies. Then one
-        forward pass over the new tokens of every scheduled sequence, flattened: a sequence with
-        ``n`` new tokens contributes its last ``n`` token ids at positions ``len - n .. len - 1``;
-        their K/V go to the block manager's ``slot_mapping``; attention reads through
-        ``block_tables_tensor`` and ``seq_lens`` (``query_start_loc`` when any sequence has more
-        than one new token). Each sequence's row is the logits of its last token.
-        """
-        # BEGIN SOLUTION block moves first; flatten the new tokens; slot mapping, tables, lengths; forward
-        self.cache.swap_out(out.blocks_to_swap_out)
-        self.cache.swap_in(out.blocks_to_swap_in)
-        self.cache.copy_blocks(out.blocks_to_copy)
-        seqs, counts = [s for s, _ in out.scheduled], [n for _, n in out.scheduled]
-        ids, positions = [], []
-        for seq, n in out.scheduled:
-            ids += seq.token_ids[len(seq) - n:]
-            positions += range(len(seq) - n, len(seq))
-        seq_ids = [s.seq_id for s in seqs]
-        ends = torch.tensor(counts).cumsum(0)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=self.block_manager.slot_mapping(seq_ids, counts).to(self.device),
-            block_tables=self.block_manager.block_tables_tensor(seq_ids).to(self.device),
-            seq_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device),
-            query_start_loc=None if max(counts) == 1 else starts.to(self.device),
-            backend=self.backend,
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                self.cache, meta)
-            return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()
-        # END SOLUTION
-
-
 class LLMEngine:
     """The serving loop: requests in, one scheduled and executed step at a time, outputs out."""
 
@@ -197,31 +84,14 @@ class LLMEngine:
         self.requests: dict[object, Request] = {}
         self._rng = torch.Generator().manual_seed(seed)
         self.stats = EngineStats()
-
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return None, list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer.json: give {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt).ids
-        raise TypeError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        self.processor = Processor(tokenizer, vocab_size)  # a new request's prompt to checked token ids
 
     def check(self, request_id, prompt, params) -> tuple[str | None, list[int]]:
-        """The prompt's text and token ids; ``ValueError``/``TypeError`` for anything that cannot run."""
+        """The prompt's text and token ids (``Processor.process_inputs``); ``ValueError``/``TypeError``
+        for anything that cannot run, a request id already in use too."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already exists")
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty: a request needs at least one token")
-        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"token ids must be in 0 .. {self.vocab_size - 1}, got {bad[:5]}")
-        if isinstance(params, SamplingParams) and params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})")
-        if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the model's tokenizer (tokenizer.json): use stop_token_ids")
-        return text, ids
+        return self.processor.process_inputs(prompt, params)
 
     def add_request(self, request_id, prompt, params: SamplingParams) -> Request:
         """Check and queue one request; ``ValueError``/``TypeError`` before anything is queued."""

@@ -31,8 +31,9 @@ import torch
 from minipaged import stage7_engine
 from minipaged.common.config import check_int
 from minipaged.common.sampling_params import SamplingParams
-from minipaged.stage6_scheduler import SequenceStatus
-from minipaged.stage7_engine import LLMEngine, Request, SampledSequence, sample
+from minipaged.common.sequence import SequenceStatus
+from minipaged.stage7_engine import LLMEngine, Request, SampledSequence
+from minipaged.stage7_model_runner import sample
 
 
 @dataclass

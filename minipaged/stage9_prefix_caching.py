@@ -41,7 +41,7 @@ from minipaged.common.stats import PrefixCacheStats, Stats
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage2_block_table import BlockTable
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import SwapBlockSpaceManager
+from minipaged.stage6_swapping import SwapBlockSpaceManager
 
 ROOT = bytes(32)  # the parent hash of a first block
 

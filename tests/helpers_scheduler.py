@@ -8,14 +8,10 @@ from them. A lost, stale or misplaced block changes the outputs, or fails the ch
 import torch
 from helpers_kv import assert_same_kv
 
+from minipaged.common.sequence import Sequence, SequenceGroup
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import (
-    Scheduler,
-    Sequence,
-    SequenceGroup,
-    SwapBlockSpaceManager,
-    SwapPagedKVCache,
-)
+from minipaged.stage6_scheduler import Scheduler
+from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
 VOCAB = 50
 

@@ -2,7 +2,8 @@
 
 A piece is a function or method that holds a solution region; the page must name it by its
 qualified name in backticks (``ContiguousKVCache.allocate``, ``dense_attention``), so a page
-cannot silently miss a stub that the exercise tool writes.
+cannot silently miss a stub that the exercise tool writes, in any file of the stage; and the
+page, like the stage's page in each language, names every file of the stage.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from minipaged.learn.exercise import REPO_DIR, solution_functions, stage_files, 
 pytestmark = pytest.mark.tooling
 
 PAGES = REPO_DIR / "docs" / "exercises"
-STAGES = stage_files()
+STAGES = stage_files()  # stage -> its files, the main one first
 
 
 def stage_tests(stage: int) -> list[str]:
@@ -26,16 +27,19 @@ def stage_tests(stage: int) -> list[str]:
 def problems(page: str, stage: int) -> list[str]:
     """What the exercise page of ``stage`` fails to name or link; empty when it is complete."""
     found = []
-    for name in solution_functions(STAGES[stage].read_text(), str(STAGES[stage])):
-        if f"`{name}`" not in page:
-            found.append(f"the piece `{name}` is not named")
+    for path in STAGES[stage]:
+        if f"`minipaged/{path.name}`" not in page:
+            found.append(f"the file minipaged/{path.name} is not named")
+        for name in solution_functions(path.read_text(), str(path)):
+            if f"`{name}`" not in page:
+                found.append(f"the piece `{name}` is not named")
     for test_file in stage_tests(stage):
         if test_file not in page:
             found.append(f"the test file {test_file} is not named")
     tutorial = tutorial_for(stage)
     if f"](../{tutorial})" not in page:
         found.append(f"no link to the tutorial ../{tutorial}")
-    stage_page = f"../stages/{STAGES[stage].stem.removeprefix('stage')}.md"
+    stage_page = f"../stages/{STAGES[stage][0].stem.removeprefix('stage')}.md"
     if f"]({stage_page})" not in page:
         found.append(f"no link to the stage page {stage_page}")
     return found
@@ -65,7 +69,7 @@ def test_solution_functions_are_found_by_qualified_name():
         "    # END SOLUTION\n"
     )
     assert solution_functions(source) == ["A.f", "A.g", "h"]
-    assert solution_functions(STAGES[1].read_text())[:2] == [
+    assert solution_functions(STAGES[1][0].read_text())[:2] == [
         "BlockAllocator.__init__",
         "BlockAllocator.num_total_blocks",
     ]
@@ -87,6 +91,26 @@ def test_a_page_that_misses_a_piece_is_caught():
     assert problems(missing, 3) == ["the piece `CowBlockSpaceManager.fork` is not named"]
     unlinked = page.replace("../tutorials/03_copy_on_write.ipynb", "03_copy_on_write.ipynb")
     assert problems(unlinked, 3) == ["no link to the tutorial ../tutorials/03_copy_on_write.ipynb"]
+
+
+def test_a_page_that_misses_a_piece_of_a_stages_second_file_is_caught():
+    page = (PAGES / "stage6.md").read_text()
+    assert problems(page, 6) == []
+    missing = page.replace("`minipaged/stage6_swapping.py`", "`stage6_swapping.py`")
+    missing = re.sub(r"`SwapBlockSpaceManager\.swap_in`", "`swap_in`", missing)
+    assert problems(missing, 6) == ["the file minipaged/stage6_swapping.py is not named",
+                                    "the piece `SwapBlockSpaceManager.swap_in` is not named"]
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_the_stage_page_names_every_file_of_its_stage_in_each_language(stage):
+    main = STAGES[stage][0].stem.removeprefix("stage")
+    pages = [REPO_DIR / "docs" / "stages" / f"{main}{language}.md" for language in ("", ".zh")]
+    assert pages[0].is_file(), f"no stage page docs/stages/{main}.md"
+    for page in (p for p in pages if p.is_file()):
+        header = next(line for line in page.read_text().splitlines() if line.startswith("*"))
+        for path in STAGES[stage]:
+            assert f"[`minipaged/{path.name}`](../api.md#minipaged.{path.stem})" in header, (page.name, path.name)
 
 
 def test_the_exercises_index_links_every_stage_page():

@@ -26,12 +26,14 @@ from minipaged.learn.exercise import (
     SolutionMarkerError,
     StageResult,
     edited_stage,
+    files_to_write,
     format_grades,
     make_workspace,
     run_tests,
     solution_regions,
     stage_files,
     stub_source,
+    tutorial_for,
     workspace_changes,
     workspace_notebook,
 )
@@ -40,16 +42,33 @@ pytestmark = pytest.mark.tooling
 
 STAGES = sorted(stage_files())
 STAGE_MODULE = re.compile(r"minipaged\.stage(\d+)_")
+# Every file of every stage, with an id that never contains ``stage<N>``: "6-swapping".
+FILES = [(stage, path) for stage, paths in stage_files().items() for path in paths]
+FILE_IDS = [f"{stage}-{path.stem.split('_', 1)[1]}" for stage, path in FILES]
 
 
 def test_every_stage_has_its_tests_tutorial_and_docs_page():
     assert STAGES == list(range(len(STAGES))), "stages must be numbered 0, 1, 2, ... without gaps"
-    for stage, path in stage_files().items():
-        topic = path.stem.split("_", 1)[1]
-        assert list((REPO_DIR / "tests").glob(f"test_stage{stage}_*.py")), f"no tests for {path.name}"
-        assert list((REPO_DIR / "tutorials").glob(f"{stage:02d}_*.ipynb")), f"no tutorial for {path.name}"
-        assert (REPO_DIR / "docs" / "stages" / f"{stage}_{topic}.md").exists(), f"no docs page for {path.name}"
-        assert solution_regions(path.read_text(), str(path)), f"{path.name} has no solution to write"
+    for stage, paths in stage_files().items():
+        main = paths[0]
+        topic = main.stem.split("_", 1)[1]
+        assert list((REPO_DIR / "tests").glob(f"test_stage{stage}_*.py")), f"no tests for {main.name}"
+        assert list((REPO_DIR / "tutorials").glob(f"{stage:02d}_*.ipynb")), f"no tutorial for {main.name}"
+        assert (REPO_DIR / "docs" / "stages" / f"{stage}_{topic}.md").exists(), f"no docs page for {main.name}"
+        # the main file may be all given (stage 7's engine loop); the stage has something to write
+        assert any(solution_regions(path.read_text(), str(path)) for path in paths), f"stage {stage}: no solution"
+        for path in paths[1:]:
+            assert solution_regions(path.read_text(), str(path)), f"{path.name} has no solution to write"
+
+
+def test_a_stage_of_two_files_names_its_main_file_first():
+    """The main file imports the stage's other files; its topic names the tutorial and the docs page."""
+    names = {stage: [path.name for path in paths] for stage, paths in stage_files().items()}
+    assert names[6] == ["stage6_scheduler.py", "stage6_swapping.py"]
+    assert names[7] == ["stage7_engine.py", "stage7_model_runner.py"]
+    assert names[10] == ["stage10_v1_scheduler.py", "stage10_model_runner.py"]  # the main file's name sorts last
+    assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10))
+    assert tutorial_for(10) == "tutorials/11_v1_scheduler.ipynb" and tutorial_for(7) == "tutorials/07_engine.ipynb"
 
 
 @pytest.mark.parametrize(
@@ -84,9 +103,8 @@ def test_stubs_keep_signatures_and_docstrings():
         area(2)
 
 
-@pytest.mark.parametrize("number", STAGES)
-def test_stub_modules_import_and_keep_the_public_names(number, tmp_path, monkeypatch):
-    path = stage_files()[number]
+@pytest.mark.parametrize("number,path", FILES, ids=FILE_IDS)
+def test_stub_modules_import_and_keep_the_public_names(number, path, tmp_path, monkeypatch):
     original = importlib.import_module(f"minipaged.{path.stem}")
     stubbed = tmp_path / path.name
     stubbed.write_text(stub_source(path.read_text(), number, "t.ipynb", str(path)))
@@ -108,6 +126,10 @@ def test_stubs_fail_every_test_of_their_own_rung(number, tmp_path):
     assert not passed, f"these tests pass without the learner's code: {passed}"
     assert all(number in v["stages"] for v in results.values()), "-k selected foreign tests"
     assert all("test_exercise_tool" not in k for k in results)
+    readme = (workspace / "README.md").read_text()
+    for path in files_to_write(number):  # every file of the stage with a solution is stubbed, and named
+        assert "NotImplementedError(" in (workspace / "minipaged" / path.name).read_text(), path.name
+        assert f"`minipaged/{path.name}`" in readme, path.name
 
 
 def _stages_imported(path: Path) -> set[int]:
@@ -131,14 +153,21 @@ def _stages_imported(path: Path) -> set[int]:
 
 @pytest.mark.parametrize("number", STAGES)
 def test_lower_rungs_never_import_this_one(number):
-    """With stage N stubbed, lower stages and their tests still pass: they cannot reach it."""
+    """With stage N stubbed, lower stages and their tests still pass: they cannot reach it.
+    A stage's files may import one another, never a file of a higher stage."""
     for lower in range(number):
-        module = stage_files()[lower]
-        assert max(_stages_imported(module), default=-1) < lower, f"{module.name} imports upward"
+        for module in stage_files()[lower]:
+            assert max(_stages_imported(module), default=-1) <= lower, f"{module.name} imports upward"
         for test in (REPO_DIR / "tests").glob(f"test_stage{lower}_*.py"):
             assert number not in _stages_imported(test), f"{test.name} imports stage {number}"
-    own = stage_files()[number]
-    assert max(_stages_imported(own), default=-1) < number, f"{own.name} imports itself or upward"
+    for own in stage_files()[number]:
+        assert max(_stages_imported(own), default=-1) <= number, f"{own.name} imports upward"
+        assert f"minipaged.{own.stem}" not in _module_names_imported(own), f"{own.name} imports itself"
+
+
+def _module_names_imported(path: Path) -> set[str]:
+    return {node.module for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module}
 
 
 def test_keyword_selection_never_picks_this_file():
@@ -244,27 +273,45 @@ def test_grade_table_format():
 
 
 def test_the_mutant_catalogue_patches_solutions_only_and_covers_every_stage():
-    from minipaged.learn.mutants import CATALOGUE, apply_mutant
+    from minipaged.learn.mutants import CATALOGUE, apply_mutant, stage_sources
 
     files = stage_files()
-    for mutant in CATALOGUE:  # each old text occurs once, inside a solution region
-        source = files[mutant.stage].read_text()
-        assert apply_mutant(source, mutant, files[mutant.stage].name) != source
+    patched = set()
+    for mutant in CATALOGUE:  # each old text occurs once in its stage's files, inside a solution region
+        sources = stage_sources(mutant.stage, REPO_DIR / "minipaged")
+        mutated = apply_mutant(sources, mutant)
+        assert mutated != sources and mutated.keys() == sources.keys()
+        patched |= {name for name in sources if mutated[name] != sources[name]}
     counts = {stage: sum(m.stage == stage for m in CATALOGUE) for stage in files}
     assert min(counts.values()) >= 6, counts
     assert counts[6] >= 9  # one mutant per scheduling rule, at least
+    with_solutions = {path.name for paths in files.values() for path in paths if solution_regions(path.read_text())}
+    assert patched == with_solutions, "a stage file whose solutions no mutant patches"
 
 
 def test_a_patch_outside_a_solution_is_refused():
     from minipaged.learn.mutants import Mutant, apply_mutant
 
-    source = (stage_files()[1]).read_text()
+    path = stage_files()[1][0]
+    sources = {path.name: path.read_text()}
     outside = Mutant(1, "outside", (("class OutOfBlocksError(RuntimeError):", "class OutOfBlocksError(Exception):"),))
-    with pytest.raises(ValueError):
-        apply_mutant(source, outside)
+    with pytest.raises(ValueError, match="outside a solution"):
+        apply_mutant(sources, outside)
     missing = Mutant(1, "missing", (("no such text", "x"),))
-    with pytest.raises(ValueError):
-        apply_mutant(source, missing)
+    with pytest.raises(ValueError, match="0 times"):
+        apply_mutant(sources, missing)
+
+
+def test_a_mutants_patches_go_to_whichever_file_of_its_stage_holds_them():
+    from minipaged.learn.mutants import Mutant, apply_mutant
+
+    body = "def f():\n    # BEGIN SOLUTION\n    return {}\n    # END SOLUTION\n"
+    sources = {"a.py": body.format("'a'"), "b.py": body.format("'b'")}
+    both = apply_mutant(sources, Mutant(6, "both", (("return 'a'", "return 'x'"), ("return 'b'", "return 'y'"))))
+    assert both == {"a.py": body.format("'x'"), "b.py": body.format("'y'")}
+    assert apply_mutant(sources, Mutant(6, "one", (("return 'b'", "return 'y'"),)))["a.py"] == sources["a.py"]
+    with pytest.raises(ValueError, match="2 times"):  # once in each file is twice in the stage
+        apply_mutant(sources, Mutant(6, "ambiguous", (("    return ", "    return not "),)))
 
 
 def test_a_surviving_mutant_is_reported():
@@ -349,6 +396,11 @@ def solution_lines(path: Path) -> set[str]:
     return found
 
 
+def stage_solution_lines(stage: int) -> set[str]:
+    """The solution lines of every file of a stage."""
+    return set().union(*(solution_lines(path) for path in stage_files()[stage]))
+
+
 def given_lines(package: Path, stage: int) -> set[str]:
     """The lines of the package's code that lie outside stage ``stage``'s solutions: code that
     every workspace holds by design (the other stages, the stubbed file's own code)."""
@@ -357,7 +409,7 @@ def given_lines(package: Path, stage: int) -> set[str]:
         if path.name == "mutants.py":
             continue
         lines = path.read_text().splitlines()
-        if path == stage_files(package)[stage]:
+        if path in stage_files(package)[stage]:
             for begin, end, _ in solution_regions(path.read_text()):
                 lines[begin - 1 : end] = [""] * (end - begin + 1)
         found.update(line.strip() for line in lines)
@@ -381,10 +433,10 @@ def quotes(text: str, line: str) -> bool:
 @pytest.mark.parametrize("number", STAGES)
 def test_no_file_of_a_workspace_quotes_the_solutions_it_asks_for(number, tmp_path):
     workspace = make_workspace(number, tmp_path / "ws")
-    for stage, path in stage_files().items():  # only this stage is stubbed: the others are given
+    for stage, path in FILES:  # only this stage's files with solutions are stubbed: the others are given
         stubbed = (workspace / "minipaged" / path.name).read_text() != path.read_text()
-        assert stubbed == (stage == number), path.name
-    secrets = solution_lines(stage_files()[number]) - given_lines(REPO_DIR / "minipaged", number)
+        assert stubbed == (stage == number and path in files_to_write(stage)), path.name
+    secrets = stage_solution_lines(number) - given_lines(REPO_DIR / "minipaged", number)
     assert len(secrets) >= 5, "too few lines to search for"
     quoted = {}
     for path in workspace.rglob("*"):
@@ -400,7 +452,7 @@ def test_no_file_of_a_workspace_quotes_the_solutions_it_asks_for(number, tmp_pat
 def test_the_quote_check_finds_the_mutant_catalogue():
     catalogue = (REPO_DIR / "minipaged" / "learn" / "mutants.py").read_text()
     for number in STAGES:
-        secrets = solution_lines(stage_files()[number]) - given_lines(REPO_DIR / "minipaged", number)
+        secrets = stage_solution_lines(number) - given_lines(REPO_DIR / "minipaged", number)
         assert any(quotes(catalogue, line) for line in secrets), f"no stage-{number} line found in mutants.py"
 
 
@@ -417,11 +469,12 @@ def test_the_mutants_command_is_refused_in_a_workspace(tmp_path):
 
 def test_grade_shows_where_and_why_each_test_failed(tmp_path):
     workspace = make_workspace(1, tmp_path / "ws")
-    reference = stage_files()[1].read_text()
+    (path,) = stage_files()[1]
+    reference = path.read_text()
     wrong = reference.replace("        if self._is_free[block_id]:\n            raise ValueError(",
                               "        if False:\n            raise ValueError(")
     assert wrong != reference
-    (workspace / "minipaged" / stage_files()[1].name).write_text(wrong)  # a double free accepted
+    (workspace / "minipaged" / path.name).write_text(wrong)  # a double free accepted
     graded = subprocess.run([sys.executable, "-m", "minipaged.cli", "grade", ".", "--stage", "1"],
                             cwd=workspace, capture_output=True, text=True)
     assert graded.returncode == 1, graded.stderr
@@ -469,8 +522,13 @@ def test_workspace_tutorials_import_the_workspace_and_drop_pieces_named_by_a_sol
     notebook = {"cells": [{"cell_type": "code", "id": "a", "metadata": {}, "outputs": [],
                            "execution_count": None, "source": [cell]}],
                 "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-    out = json.loads(workspace_notebook(json.dumps(notebook), reference, stubbed))
+    out = json.loads(workspace_notebook(json.dumps(notebook), [(reference, stubbed)]))
     first, second = ("".join(c["source"]) for c in out["cells"])
     assert second == "show(f)\nshow(f, start='def f')\nshow(g, stop='other')\n"
     assert WORKSPACE_MARK in first and "sys.path.insert(0" in first
     assert len({c["id"] for c in out["cells"]}) == 2
+    # two files: the piece goes when the file whose solution held it loses it, even though the
+    # other file's own code says "return x" too
+    other = "def g():\n    return x\n"
+    out = json.loads(workspace_notebook(json.dumps(notebook), [(other, other), (reference, stubbed)]))
+    assert "".join(out["cells"][1]["source"]) == second

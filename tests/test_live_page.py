@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged.serving.live_page import PAGE, snapshot
+from minipaged.serving.engine_client import snapshot
+from minipaged.serving.live_page import PAGE
 
 pytestmark = pytest.mark.serving
 
@@ -336,10 +337,12 @@ def test_the_page_draws_the_swap_pool_and_whose_blocks_are_there(browser):
 
 def test_the_load_generator_talks_to_the_loopback_only_and_keeps_the_full_results(monkeypatch):
     """bench/serving_load.py refuses any other host; only its full run writes bench/results."""
+    import importlib
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).parent.parent / "bench" / "serving_load.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # as a script, it imports bench/'s own modules
     spec = importlib.util.spec_from_file_location("serving_load", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -357,7 +360,8 @@ def test_the_load_generator_talks_to_the_loopback_only_and_keeps_the_full_result
     monkeypatch.setattr("sys.argv", ["serving_load.py", "--url", "http://example.com:8000"])
     with pytest.raises(SystemExit):  # refused before any server starts or any request is sent
         bench.main()
-    where = {tuple(a): bench.output_dir(bench.make_parser().parse_args(a))
+    where = {tuple(a): bench.output_dir(bench.build_parser().parse_args(a))
              for a in ([], ["--quick"], ["--streams", "2"], ["--quick", "--streams", "2"])}
-    assert where[()] == bench.RESULTS
-    assert all(d != bench.RESULTS and bench.RESULTS in d.parents for a, d in where.items() if a)
+    results = importlib.import_module("harness").RESULTS  # bench/results
+    assert where[()] == results
+    assert all(d != results and results in d.parents for a, d in where.items() if a)

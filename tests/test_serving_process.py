@@ -13,33 +13,15 @@ import time
 import httpx
 import pytest
 
+from minipaged.serving.launcher import start_server
+
 pytestmark = pytest.mark.serving
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(*args, port=None):
-    port = port or free_port()
-    process = subprocess.Popen([sys.executable, "-m", "minipaged.cli", "serve", "--port", str(port),
-                                "--num-gpu-blocks", "64", "--max-model-len", "512", *args],
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server stopped: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the server did not start within 120 s")
+    return start_server("--num-gpu-blocks", "64", "--max-model-len", "512", *args, port=port, timeout=120,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT)
 
 
 def run_cli(*args, timeout=60):

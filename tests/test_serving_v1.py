@@ -1,15 +1,15 @@
 """The server over stage 10's engine: the same text as its LLM.generate; what stage 10 refuses is a 400."""
 
-import socket
 
 import httpx
 import openai
 import pytest
 from helpers_serving import ThreadServer, sse_events
 
-import minipaged.serving.app
+import minipaged.serving.server
 from minipaged import SamplingParams
 from minipaged.cli import main
+from minipaged.serving.launcher import free_port
 from minipaged.stage10_v1_scheduler import LLM, V1Engine
 
 pytestmark = pytest.mark.serving
@@ -67,18 +67,12 @@ class Built(Exception):
     """Stops serve() once it has built its engine."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize(("argv", "v1"), [([], False), (["--scheduler", "v1"], True)])
 def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
     def build_app(llm, *args, **kwargs):
         raise Built(llm)
 
-    monkeypatch.setattr(minipaged.serving.app, "build_app", build_app)
+    monkeypatch.setattr(minipaged.serving.server, "build_app", build_app)
     with pytest.raises(Built) as built:
         main(["serve", "--port", str(free_port()), "--threads", "1", *argv])
     llm = built.value.args[0]
@@ -90,10 +84,10 @@ def test_serve_v1_refuses_swap_before_serving(monkeypatch):
     def build_app(llm, *args, **kwargs):
         raise Built(llm)
 
-    monkeypatch.setattr(minipaged.serving.app, "build_app", build_app)
+    monkeypatch.setattr(minipaged.serving.server, "build_app", build_app)
     with pytest.raises(ValueError):
-        minipaged.serving.app.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="swap")
+        minipaged.serving.server.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="swap")
     with pytest.raises(Built):  # the same call with recompute builds the engine
-        minipaged.serving.app.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="recompute")
+        minipaged.serving.server.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="recompute")
     with pytest.raises(ValueError):
-        minipaged.serving.app.serve("tiny", port=free_port(), scheduler="v2")
+        minipaged.serving.server.serve("tiny", port=free_port(), scheduler="v2")

@@ -4,6 +4,7 @@ The first test is the equivalence the whole ladder rests on: decoding token by t
 through the cache gives what one causal forward pass over the whole sequence gives.
 """
 
+import helpers_tolerances as tolerances
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,31 @@ class OneLayerAttention(torch.nn.Module):
         )
         return self.o(out.transpose(0, 1).reshape(len(x), -1))
 
+    def error(self, x):
+        """The most one computation of the layer on ``x`` (causal, over all of ``x``) can be off the exact value.
+
+        Each projection is a (fan-in + 1)-term dot product (the bias): off by gamma(fan-in + 1) times
+        |x| |W| + |b|. Errors of q and k move the scores by at most scale (|dq| |k| + |q| |dk| + |dq| |dk|);
+        attention passes them on (``attention_error``); the output projection multiplies the attention
+        output's error by its largest absolute row sum, and adds its own rounding.
+        """
+        h, _, d = self.shape
+        g = tolerances.gamma(x.shape[-1] + 1)
+        terms = [(x.abs() @ p.weight.abs().T + p.bias.abs()).view(len(x), -1, d) for p in (self.q, self.k, self.v)]
+        q, k, v = self.qkv(x)
+
+        def norm(t):
+            return t.norm(dim=-1).max().item()
+
+        dq, dk, dv = g * norm(terms[0]), g * norm(terms[1]), g * terms[2].max().item()
+        scale = d**-0.5
+        score_error = scale * (dq * norm(k) + norm(q) * dk + dq * dk)
+        attended = tolerances.attention_error(d, len(x), scale * norm(q) * norm(k), v.abs().max().item(),
+                                              score_error=score_error, value_error=dv)
+        rows = self.o.weight.abs().sum(1).max().item()
+        out_terms = rows * (v.abs().max().item() + dv) + self.o.bias.abs().max().item()
+        return tolerances.gamma(h * d + 1) * out_terms + rows * attended
+
 
 @pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
@@ -74,7 +100,8 @@ def test_cached_decode_equals_full_forward_pass(policy, heads):
                 outputs[rid].append(layer.o(dense_attention(q, keys, values).reshape(1, -1)))
         for rid, x in inputs.items():
             expected = layer.full_forward(x)
-            torch.testing.assert_close(torch.cat(outputs[rid]), expected, rtol=1e-6, atol=1e-6)
+            bound = tolerances.apart(layer.error(x))  # no row attends to more than all of x
+            torch.testing.assert_close(torch.cat(outputs[rid]), expected, rtol=0, atol=bound)
 
 
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (14, 2), (4, 1)])
@@ -89,11 +116,12 @@ def test_dense_attention_matches_torch_sdpa(heads, num_q, num_k):
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     ).transpose(0, 1)
-    torch.testing.assert_close(dense_attention(q, k, v), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense_attention(q, k, v), expected, **tolerances.attention(q, k, v, num_k))
     full = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True, scale=0.3
     ).transpose(0, 1)
-    torch.testing.assert_close(dense_attention(q, k, v, scale=0.3, causal=False), full)
+    torch.testing.assert_close(dense_attention(q, k, v, scale=0.3, causal=False), full,
+                               **tolerances.attention(q, k, v, num_k, scale=0.3))
 
 
 def test_dense_attention_keeps_dtype_and_rejects_bad_shapes():
@@ -155,7 +183,8 @@ def test_usage_splits_the_arena_exactly():
     cache.append("b", 4)
     usage = cache.usage(next_reservation=48)  # the one hole (40 slots) is too small
     assert usage == CacheUsage(total=64, token=9, reserved=5, internal=10, external=40, free=0)
-    assert sum(usage.fractions().values()) == pytest.approx(1.0)
+    fractions = usage.fractions().values()  # each a division, then a sum: in float64
+    assert sum(fractions) == pytest.approx(1.0, rel=tolerances.gamma(len(fractions) + 1, torch.float64))
     assert cache.usage() == CacheUsage(64, 9, 5, 10, 0, 40)
 
 

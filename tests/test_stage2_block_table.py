@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
-from helpers_kv import assert_same_kv
+from helpers_kv import ShadowedKVMachine, assert_same_kv
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from minipaged.stage0_contiguous import CacheUsage, ContiguousKVCache
 from minipaged.stage1_block_allocator import BlockAllocator, OutOfBlocksError
@@ -152,15 +152,11 @@ def test_usage_counts_only_the_slack_of_last_blocks():
     assert tables.dtype == torch.int32 and tables.tolist() == [[0, 1], [2, 0]]
 
 
-class PagedCacheMachine(RuleBasedStateMachine):
+class PagedCacheMachine(ShadowedKVMachine):
     """Random allocate / append / free, with a shadow of every sequence's K/V."""
 
     def __init__(self):
-        super().__init__()
-        self.manager = BlockSpaceManager(BlockAllocator(10), 3)
-        self.cache = PagedKVCache(1, 10, 3, 1, 1)
-        self.shadow: dict[int, list[float]] = {}
-        self.counter = 0
+        super().__init__(BlockSpaceManager(BlockAllocator(10), 3), PagedKVCache(1, 10, 3, 1, 1), 10)
 
     def _write(self, seq_id, n):
         values = [float(self.counter * 1000 + i) for i in range(n)]
@@ -192,13 +188,6 @@ class PagedCacheMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.manager.append_slot(seq_id)
 
-    @precondition(lambda self: self.shadow)
-    @rule(data=st.data())
-    def free(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
-        self.manager.free(seq_id)
-        del self.shadow[seq_id]
-
     @invariant()
     def bookkeeping_adds_up(self):
         held = [b for t in self.manager.block_tables.values() for b in t.block_ids]
@@ -208,16 +197,6 @@ class PagedCacheMachine(RuleBasedStateMachine):
             assert len(table.block_ids) == self.manager.blocks_needed(table.num_tokens)
             assert table.num_tokens == len(self.shadow[seq_id])
 
-    @invariant()
-    def contents_equal_the_shadow(self):
-        for seq_id, values in self.shadow.items():
-            k, v = self.cache.gather(0, self.manager.get_block_table(seq_id), len(values))
-            assert k.flatten().tolist() == values and v.flatten().tolist() == [-x for x in values]
-
-    def teardown(self):
-        for seq_id in list(self.shadow):
-            self.manager.free(seq_id)
-        assert self.manager.num_free_blocks == 10  # nothing leaked
 
 
 TestPagedCacheMachine = PagedCacheMachine.TestCase

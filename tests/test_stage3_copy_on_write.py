@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
-from helpers_kv import assert_same_kv
+from helpers_kv import ShadowedKVMachine, assert_same_kv
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from minipaged.stage0_contiguous import ContiguousKVCache
 from minipaged.stage1_block_allocator import BlockAllocator, OutOfBlocksError
@@ -222,15 +222,11 @@ def test_reference_counts_wrap_any_correct_pool_through_its_public_methods(monke
     assert manager.num_free_blocks == 6
 
 
-class SharingMachine(RuleBasedStateMachine):
+class SharingMachine(ShadowedKVMachine):
     """Random allocate / append / fork / free against a shadow of every sequence."""
 
     def __init__(self):
-        super().__init__()
-        self.manager = CowBlockSpaceManager(RefCountedBlockAllocator(12), 3)
-        self.cache = CowPagedKVCache(1, 12, 3, 1, 1)
-        self.shadow: dict[int, list[float]] = {}
-        self.counter = 0
+        super().__init__(CowBlockSpaceManager(RefCountedBlockAllocator(12), 3), CowPagedKVCache(1, 12, 3, 1, 1), 12)
 
     def _new_id(self):
         self.counter += 1
@@ -271,13 +267,6 @@ class SharingMachine(RuleBasedStateMachine):
         self.manager.fork(parent, child)
         self.shadow[child] = list(self.shadow[parent])
 
-    @precondition(lambda self: self.shadow)
-    @rule(data=st.data())
-    def free(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
-        self.manager.free(seq_id)
-        del self.shadow[seq_id]
-
     @invariant()
     def ref_counts_equal_references(self):
         held = [b for t in self.manager.block_tables.values() for b in t.block_ids]
@@ -286,16 +275,6 @@ class SharingMachine(RuleBasedStateMachine):
             assert self.manager.allocator.is_free(block_id) == (block_id not in held)
         assert self.manager.num_free_blocks + len(set(held)) == 12
 
-    @invariant()
-    def contents_equal_the_shadow(self):
-        for seq_id, values in self.shadow.items():
-            k, v = self.cache.gather(0, self.manager.get_block_table(seq_id), len(values))
-            assert k.flatten().tolist() == values and v.flatten().tolist() == [-x for x in values]
-
-    def teardown(self):
-        for seq_id in list(self.shadow):
-            self.manager.free(seq_id)
-        assert self.manager.num_free_blocks == 12  # nothing leaked
 
 
 TestSharingMachine = SharingMachine.TestCase

@@ -1,5 +1,6 @@
 """Stage 4: the PyTorch paged attention reference, checked against stage 0's dense attention."""
 
+import helpers_tolerances as tolerances
 import pytest
 import torch
 from helpers_attention import make_paged_inputs
@@ -28,7 +29,7 @@ def test_decode_equals_dense_attention_on_contiguous_kv(heads, head_dim):
     block_size = {64: 16, 80: 1, 96: 3, 112: 32, 128: 16, 256: 5}[head_dim]
     args, contiguous = make_paged_inputs(*heads, head_dim, block_size, [1, 17, 300, 2049], seed=head_dim)
     torch.testing.assert_close(paged_attention_ref(*args[:5]), expected_outputs(args, contiguous),
-                               rtol=1e-5, atol=1e-5)
+                               **tolerances.paged_attention(args))
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3, 16, 32, 64])
@@ -36,7 +37,7 @@ def test_any_block_size_and_contexts_up_to_thousands(block_size):
     lens = [1, block_size, block_size + 1, 1000, 4100]
     args, contiguous = make_paged_inputs(14, 2, 64, block_size, lens, seed=block_size)
     torch.testing.assert_close(paged_attention_ref(*args[:5], scale=0.1),
-                               expected_outputs(args, contiguous, scale=0.1), rtol=1e-5, atol=1e-5)
+                               expected_outputs(args, contiguous, scale=0.1), **tolerances.paged_attention(args, 0.1))
 
 
 @pytest.mark.parametrize(
@@ -50,22 +51,28 @@ def test_any_block_size_and_contexts_up_to_thousands(block_size):
 def test_variable_length_queries_are_causal_and_aligned_to_the_end(seq_lens, query_lens):
     args, contiguous = make_paged_inputs(8, 2, 64, 16, seq_lens, query_lens, seed=3)
     out = paged_attention_ref(*args[:5], query_start_loc=args[5])
-    torch.testing.assert_close(out, expected_outputs(args, contiguous), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected_outputs(args, contiguous), **tolerances.paged_attention(args))
     # the last query of a sequence attends to the whole context, like a decode step
     first = contiguous[0][2]
     if first.stop > first.start:
         k, v, _ = contiguous[0]
         torch.testing.assert_close(out[first.stop - 1], dense_attention(args[0][first.stop - 1 : first.stop], k, v)[0],
-                                   rtol=1e-5, atol=1e-5)
+                                   **tolerances.paged_attention(args))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
-def test_half_precision_is_close_to_a_float32_reference(dtype, tol):
-    args32, contiguous32 = make_paged_inputs(32, 8, 128, 16, [3, 500, 1500], seed=7)
-    args, _ = make_paged_inputs(32, 8, 128, 16, [3, 500, 1500], dtype=dtype, seed=7)
+def widened(args, contiguous):
+    """The same inputs in float32: the reference sees exactly the values the half-precision run reads."""
+    wide = [t.float() if t is not None and t.is_floating_point() else t for t in args]
+    return wide, [(k.float(), v.float(), rows) for k, v, rows in contiguous]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_close_to_a_float32_reference(dtype):
+    args, contiguous = make_paged_inputs(32, 8, 128, 16, [3, 500, 1500], dtype=dtype, seed=7)
     out = paged_attention_ref(*args[:5])
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected_outputs(args32, contiguous32), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), expected_outputs(*widened(args, contiguous)),
+                               **tolerances.paged_attention(args))
 
 
 def _bad(args, **change):
@@ -100,7 +107,8 @@ def _cases(args):
 @pytest.mark.parametrize("case", list(_cases(make_paged_inputs(4, 2, 64, 16, [20, 35])[0])))
 def test_bad_arguments_are_refused_naming_the_argument(case):
     args, contiguous = make_paged_inputs(4, 2, 64, 16, [20, 35], seed=1)
-    torch.testing.assert_close(paged_attention_ref(*args[:5]), expected_outputs(args, contiguous))
+    torch.testing.assert_close(paged_attention_ref(*args[:5]), expected_outputs(args, contiguous),
+                               **tolerances.paged_attention(args))
     bad, message = _cases(args)[case]
     with pytest.raises(ValueError, match=message):
         paged_attention_ref(*bad[:5], query_start_loc=bad[5])
@@ -129,7 +137,8 @@ def test_batched_decode_alone_equals_dense_attention_and_never_reads_past_a_sequ
     query = torch.randn(4, 6, 16)
     out = decode_attention_batched(query, key_cache, value_cache, tables, seq_lens)
     for i, (k, v) in enumerate(kv):
-        torch.testing.assert_close(out[i : i + 1], dense_attention(query[i : i + 1], k, v), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[i : i + 1], dense_attention(query[i : i + 1], k, v),
+                                   **tolerances.attention(query, key_cache, value_cache, int(seq_lens.max())))
 
 
 @pytest.mark.parametrize("path", ["decode", "batched-decode", "varlen-single", "varlen-multi"])
@@ -150,4 +159,5 @@ def test_a_custom_scale_is_used_on_every_path(path):
         rows = [slice(starts[i], starts[i + 1]) for i in range(3)]
     for i, (k, v) in enumerate(kv):
         want = dense_attention(query[rows[i]], k, v, scale=scale, causal=True)
-        torch.testing.assert_close(out[rows[i]], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[rows[i]], want,
+                                   **tolerances.attention(query, key_cache, value_cache, int(seq_lens.max()), scale))

@@ -8,15 +8,10 @@ from helpers_scheduler import add, make, serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    Sequence,
-    SequenceStatus,
-    SwapBlockSpaceManager,
-    SwapPagedKVCache,
-)
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
 pytestmark = pytest.mark.stage6
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import transformers
 
-from minipaged.stage7_engine import LLM, SamplingParams, process_logits, sample
+from minipaged.stage7_engine import LLM, SamplingParams
+from minipaged.stage7_model_runner import process_logits, sample
 
 pytestmark = pytest.mark.stage7
 
@@ -214,7 +215,7 @@ def test_stop_strings_cut_the_text_and_end_the_output_as_vllms_do():
     with pytest.raises(ValueError):
         SamplingParams(stop=[""])
     bare = LLM("tiny", num_gpu_blocks=64)
-    bare.engine.tokenizer = None  # a model folder without tokenizer.json: stop strings cannot be found
+    bare.engine.processor.tokenizer = None  # a model folder without tokenizer.json: stop strings cannot be found
     with pytest.raises(ValueError):
         bare.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(stop=["a"]), use_tqdm=False)
 

@@ -35,17 +35,18 @@ def shown_names(notebook: Path) -> set[str]:
     return set(re.findall(r"\bshow\(\s*(?:[\w.]+\.)?(\w+)\s*[,)]", code))
 
 
-def not_shown(path: Path, notebook: Path) -> list[str]:
-    """Solutions the notebook does not show: neither the function nor a class around it."""
+def not_shown(paths: list[Path], notebook: Path) -> list[str]:
+    """Solutions of the files ``paths`` that the notebook does not show: neither the function
+    nor a class around it."""
     shown = shown_names(notebook)
-    return [name for name in solution_functions(path.read_text(), str(path))
+    return [name for path in paths for name in solution_functions(path.read_text(), str(path))
             if not shown & set(name.split("."))]
 
 
 @pytest.mark.parametrize("stage", sorted(stage_files()))
 def test_each_notebook_shows_every_function_that_holds_its_stages_solution(stage):
     notebook = ROOT / tutorial_for(stage)
-    missing = not_shown(stage_files()[stage], notebook)
+    missing = not_shown(stage_files()[stage], notebook)  # every file of the stage
     assert not missing, f"{notebook.name} does not show {missing}"
 
 
@@ -121,6 +122,8 @@ def test_the_check_would_catch_a_notebook_that_shows_nothing(tmp_path):
     notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": ["print(1)\n"]}]}))
     assert shown_names(notebook) == set()
     assert "BlockAllocator.allocate" in not_shown(stage_files()[1], notebook)
+    missing = not_shown(stage_files()[6], notebook)  # a stage of two files: the pieces of both
+    assert "Scheduler._preempt" in missing and "SwapBlockSpaceManager.swap_in" in missing
 
 
 # A learner's stage 1, written unlike the reference: each piece replaces one stub, in order.
@@ -146,7 +149,8 @@ LEARNER_STAGE1 = [
 def learners_workspace(tmp_path: Path) -> Path:
     """A stage-1 workspace whose stubs the learner has filled in with code of their own."""
     workspace = make_workspace(1, tmp_path / "ws")
-    path = workspace / "minipaged" / stage_files()[1].name
+    (reference,) = stage_files()[1]
+    path = workspace / "minipaged" / reference.name
     pieces = iter(LEARNER_STAGE1)
     text, count = re.subn(r"raise NotImplementedError\(.*\)", lambda _: next(pieces), path.read_text())
     assert count == len(LEARNER_STAGE1)
@@ -155,12 +159,14 @@ def learners_workspace(tmp_path: Path) -> Path:
 
 
 def reference_solution(stage: int) -> list[str]:
-    """The code lines of a stage's solutions in the repository, comments left out."""
-    path = stage_files()[stage]
-    lines = path.read_text().splitlines()
-    return [lines[n].strip() for begin, end, _ in solution_regions(path.read_text())
-            for n in range(begin, end - 1) if len(lines[n].strip()) > 12
-            and not lines[n].strip().startswith("#")]
+    """The code lines of a stage's solutions in the repository, in every file of it, comments left out."""
+    found = []
+    for path in stage_files()[stage]:
+        lines = path.read_text().splitlines()
+        found += [lines[n].strip() for begin, end, _ in solution_regions(path.read_text())
+                  for n in range(begin, end - 1) if len(lines[n].strip()) > 12
+                  and not lines[n].strip().startswith("#")]
+    return found
 
 
 def test_a_tutorial_run_in_a_workspace_imports_and_shows_the_learners_code(tmp_path):

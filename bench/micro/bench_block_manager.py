@@ -12,7 +12,7 @@ import torch
 from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import BlockSpaceManager
 from minipaged.stage3_copy_on_write import CowBlockSpaceManager, RefCountedBlockAllocator
-from minipaged.stage6_scheduler import SwapBlockSpaceManager
+from minipaged.stage6_swapping import SwapBlockSpaceManager
 
 
 def test_allocate_free_one_block(benchmark):

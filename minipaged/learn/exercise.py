@@ -9,9 +9,13 @@ A learner's part of a stage sits between two marker comments::
         # END SOLUTION
 
 ``make_workspace(stage, out)`` copies the package and the stage tests into ``out`` and
-replaces every solution of that stage by ``raise NotImplementedError("stage N: <hint> —
-see tutorials/NN_<topic>.ipynb")``; signatures and docstrings stay. ``grade(dir)`` runs
-the tests of ``dir`` and counts, per stage, the tests that pass.
+replaces every solution of that stage, in each of its files, by ``raise
+NotImplementedError("stage N: <hint> — see tutorials/NN_<topic>.ipynb")``; signatures and
+docstrings stay. ``grade(dir)`` runs the tests of ``dir`` and counts, per stage, the tests
+that pass.
+
+A stage owns one file, ``stageN_<topic>.py``, or two where it holds two ideas (stage 6's
+scheduler and its swapping); ``stage_files`` lists them, the stage's main file first.
 """
 
 from __future__ import annotations
@@ -39,20 +43,47 @@ class SolutionMarkerError(ValueError):
     """The solution markers of a file are unbalanced, nested or misplaced."""
 
 
-def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, Path]:
-    """Every stage module of the package, by stage number."""
-    found = {}
+def _runtime_imports(path: Path) -> set[str]:
+    """The modules a file imports at its top level, not those under ``if TYPE_CHECKING:``
+    (for ``from x import y``, both ``x`` and ``x.y``: ``y`` may be a module)."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, list[Path]]:
+    """The modules of every stage of the package, by stage number, the stage's main file first.
+
+    The main file is the one that imports the stage's other files (the scheduler imports its
+    swapping): the stage's entry, whose topic names the stage's tutorial and docs page. The
+    others follow by name.
+    """
+    found: dict[int, list[Path]] = {}
     for path in sorted(package_dir.glob("stage*_*.py")):
         match = STAGE_FILE.match(path.name)
         if match:
-            found[int(match.group(1))] = path
-    return found
+            found.setdefault(int(match.group(1)), []).append(path)
+    for stage, paths in found.items():
+        imports = {path: {name.rsplit(".", 1)[-1] for name in _runtime_imports(path)} for path in paths}
+        main = max(paths, key=lambda p: sum(other.stem in imports[p] for other in paths if other != p))
+        found[stage] = [main, *(p for p in paths if p != main)]
+    return dict(sorted(found.items()))
+
+
+def files_to_write(stage: int, package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The files of a stage that hold solutions, the main file first: what its exercise stubs.
+    A stage's other files are read, not written (stage 7's engine loop)."""
+    return [path for path in stage_files(package_dir)[stage] if solution_regions(path.read_text(), str(path))]
 
 
 def tutorial_for(stage: int, repo_dir: Path = REPO_DIR) -> str:
     """The tutorial notebook that explains a stage, as a path relative to the repository."""
     named = stage_files(repo_dir / "minipaged").get(stage)  # a notebook named by the stage's topic first
-    topic = named.stem.split("_", 1)[1] if named else "-"
+    topic = named[0].stem.split("_", 1)[1] if named else "-"
     matches = sorted((repo_dir / "tutorials").glob(f"[0-9][0-9]_{topic}.ipynb")) or sorted(
         (repo_dir / "tutorials").glob(f"{stage:02d}_*.ipynb"))
     return f"tutorials/{matches[0].name}" if matches else f"tutorials/{stage:02d}_*.ipynb"
@@ -257,14 +288,18 @@ def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) ->
 _ANCHOR = re.compile(r"""\s*,\s*(?:start|stop)\s*=\s*("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')""")
 
 
-def workspace_notebook(text: str, reference: str, stubbed: str) -> str:
+def workspace_notebook(text: str, sources: list[tuple[str, str]]) -> str:
     """A tutorial as a workspace holds it: a first cell that imports the workspace's package,
     and no ``show(..., start=..., stop=...)`` piece named by a text of the stubbed solutions
-    (the learner's code does not hold it: the whole function is shown instead)."""
+    (the learner's code does not hold it: the whole function is shown instead).
+
+    ``sources``: the ``(reference, stubbed)`` text of each stubbed file. A piece is dropped
+    when a file's reference holds its text and the same file's stubs do not."""
 
     def keep(match: re.Match) -> str:
         anchor = ast.literal_eval(match.group(1))
-        return match.group(0) if anchor in stubbed or anchor not in reference else ""
+        gone = any(anchor in reference and anchor not in stubbed for reference, stubbed in sources)
+        return "" if gone else match.group(0)
 
     notebook = json.loads(text)
     for cell in notebook["cells"]:
@@ -290,16 +325,20 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
     if stage not in files:
         raise ValueError(f"no stage {stage}; stages available: {sorted(files)}")
     out = copy_workspace(out, repo_dir, force)
-    target = out / "minipaged" / files[stage].name
     tutorial = tutorial_for(stage, repo_dir)
-    reference = target.read_text()
-    stubbed = stub_source(reference, stage, tutorial, str(files[stage]))
-    target.write_text(stubbed)
+    sources = []  # (reference, stubbed) of each file of the stage
+    for path in files[stage]:
+        target = out / "minipaged" / path.name
+        reference = target.read_text()
+        stubbed = stub_source(reference, stage, tutorial, str(path))
+        target.write_text(stubbed)
+        sources.append((reference, stubbed))
     for notebook in sorted((out / "tutorials").glob("*.ipynb")):
-        notebook.write_text(workspace_notebook(notebook.read_text(), reference, stubbed))
+        notebook.write_text(workspace_notebook(notebook.read_text(), sources))
+    names = [f"`minipaged/{path.name}`" for path in files_to_write(stage, repo_dir / "minipaged")]
     (out / "README.md").write_text(
         f"# Exercise {stage}\n\n"
-        f"Fill in every `NotImplementedError` in `minipaged/{files[stage].name}`.\n"
+        f"Fill in every `NotImplementedError` in {' and '.join(names)}.\n"
         f"{tutorial} explains the ideas; docs/exercises/stage{stage}.md lists what each stub must do,\n"
         "in the order to write them, with the tests that check each and hints.\n\n"
         f"Check your work from this folder with `{_python()} -m pytest -k stage{stage}`,\n"

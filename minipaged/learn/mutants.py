@@ -4,9 +4,9 @@ tests catch each one.
 A mutant is what a learner might write instead of the solution: an off-by-one, a missing
 ``incref``, a missed copy-on-write, a scheduler that admits while something waits in swap.
 Each is kept as a small patch — one or more ``(old, new)`` replacements, every ``old``
-inside a solution region of its stage's file. ``run_mutants`` copies the package and the
-tests once per stage, applies each mutant in turn, runs that stage's tests until the first
-failure, and reports which test killed it. A mutant that no test kills is a hole in the
+inside a solution region of one of its stage's files (the one that holds it). ``run_mutants``
+copies the package and the tests once per stage, applies each mutant in turn, runs that
+stage's tests until the first failure, and reports which test killed it. A mutant that no test kills is a hole in the
 specification: ``minipaged mutants`` exits non-zero and names it.
 """
 
@@ -31,7 +31,7 @@ TIMEOUT_S = 600  # a mutant that makes the tests hang counts as killed, by the t
 class Mutant:
     stage: int
     name: str
-    patches: tuple[tuple[str, str], ...]  # (old, new): each old occurs once, inside a solution region
+    patches: tuple[tuple[str, str], ...]  # (old, new): each old occurs once in the stage's files, in a solution
 
 
 def m(stage: int, name: str, *patches: tuple[str, str]) -> Mutant:
@@ -288,17 +288,30 @@ class MutantResult:
         return self.killed_by is not None
 
 
-def apply_mutant(source: str, mutant: Mutant, filename: str = "<source>") -> str:
-    """``source`` with the mutant's patches; ``ValueError`` if an ``old`` is not once inside a solution."""
+def stage_sources(stage: int, package_dir: Path) -> dict[str, str]:
+    """The text of each file of ``stage`` in ``package_dir``, by file name: what ``apply_mutant`` patches."""
+    return {path.name: path.read_text() for path in stage_files(package_dir)[stage]}
+
+
+def apply_mutant(sources: dict[str, str], mutant: Mutant) -> dict[str, str]:
+    """The files of the mutant's stage (``{file name: text}``) with its patches, in order.
+
+    Each ``old`` goes to the file that holds it: ``ValueError`` unless it occurs exactly once
+    in all the files together, inside a solution region."""
+    sources = dict(sources)
     for old, new in mutant.patches:
-        if source.count(old) != 1:
-            raise ValueError(f"{filename}: mutant {mutant.name!r}: {old[:60]!r} occurs {source.count(old)} times")
+        counts = {name: text.count(old) for name, text in sources.items()}
+        if sum(counts.values()) != 1:
+            raise ValueError(f"{', '.join(sources)}: mutant {mutant.name!r}: {old[:60]!r} occurs "
+                             f"{sum(counts.values())} times")
+        (filename,) = (name for name, count in counts.items() if count)
+        source = sources[filename]
         first = source.count("\n", 0, source.index(old)) + 1  # 1-based lines of the patched text
         last = first + old.rstrip("\n").count("\n")
         if not any(b < first and last < e for b, e, _ in solution_regions(source, filename)):
             raise ValueError(f"{filename}:{first}: mutant {mutant.name!r} patches outside a solution region")
-        source = source.replace(old, new)
-    return source
+        sources[filename] = source.replace(old, new)
+    return sources
 
 
 def stage_test_files(workspace: Path, stage: int) -> list[str]:
@@ -337,9 +350,8 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
     """
     catalogue = CATALOGUE if catalogue is None else catalogue
     chosen = [mu for mu in catalogue if stages is None or mu.stage in stages]
-    files = stage_files(repo_dir / "minipaged")
     for mutant in chosen:  # every patch must apply before anything runs
-        apply_mutant((files[mutant.stage]).read_text(), mutant, files[mutant.stage].name)
+        apply_mutant(stage_sources(mutant.stage, repo_dir / "minipaged"), mutant)
     jobs = max(1, min(jobs or min(os.cpu_count() or 1, 2), len(chosen) or 1))
     with tempfile.TemporaryDirectory() as tmp:
         free = queue.Queue()
@@ -348,13 +360,17 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
 
         def run(mutant: Mutant) -> MutantResult:
             workspace = free.get()
-            target = workspace / "minipaged" / files[mutant.stage].name
-            original = target.read_text()
+            package = workspace / "minipaged"
+            original = stage_sources(mutant.stage, package)
+            mutated = apply_mutant(original, mutant)
+            changed = [name for name in original if mutated[name] != original[name]]
             try:
-                target.write_text(apply_mutant(original, mutant, files[mutant.stage].name))
+                for name in changed:
+                    (package / name).write_text(mutated[name])
                 result = MutantResult(mutant, _first_failure(workspace, mutant.stage))
             finally:
-                target.write_text(original)
+                for name in changed:
+                    (package / name).write_text(original[name])
                 free.put(workspace)
             if progress:
                 progress(result)

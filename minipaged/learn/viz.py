@@ -90,19 +90,14 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
     blocks are drawn (default: all).
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-    label_box = {"boxstyle": "round,pad=0.18", "facecolor": "white", "edgecolor": "none"}
-    red, blue, shared_face = "#d62728", "#08519c", "#bdbdbd"
-    hatching = {"hatch": "//", "hatchcolor": "#8c8c8c", "hatch_linewidth": 0.6}  # light: the ids stay legible
-    allocator, block_size = manager.allocator, manager.block_size
+    allocator = manager.allocator
     rows = {seq_id: seq_id for seq_id in manager.block_tables} if rows is None else rows
     num_blocks = num_blocks or manager.num_total_blocks
     labels = list(rows)
     color = {label: SEQ_COLORS[i % len(SEQ_COLORS)] for i, label in enumerate(labels)}
     color.update(colors or {})
     copies = [(int(s), int(d)) for s, d in copies]
-    copied = {d for _, d in copies}
     holders: dict[int, list] = {}
     for label in labels:
         for block_id in manager.block_tables[rows[label]].block_ids:
@@ -118,7 +113,32 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
     width = max(num_blocks, *(len(manager.block_tables[s].block_ids) for s in rows.values()))
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.9 + (0.5 if copies else 0)), layout="constrained")
-    bottom = -1.7
+    copied = {d for _, d in copies}
+    _draw_logical_rows(ax, manager, rows, color, holders, copied, num_blocks)
+    _draw_physical_row(ax, allocator, num_blocks, color, holders, hashed, copied, refs if counted else None)
+    _draw_copies(ax, copies)
+    ax.set_xlim(-2.6, width + 0.1)
+    ax.set_ylim(_BOTTOM - (1.4 if copies else 0.7), len(labels) + 0.35)
+    ax.axis("off")
+    if legend:
+        _block_legend(ax, bool(hashed))
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax
+
+
+_BOTTOM = -1.7  # the physical row's height in plot_block_tables
+_LABEL_BOX = {"boxstyle": "round,pad=0.18", "facecolor": "white", "edgecolor": "none"}
+_RED, _BLUE, _SHARED_FACE = "#d62728", "#08519c", "#bdbdbd"
+_HATCHING = {"hatch": "//", "hatchcolor": "#8c8c8c", "hatch_linewidth": 0.6}  # light: the ids stay legible
+
+
+def _draw_logical_rows(ax, manager, rows, color, holders, copied, num_blocks) -> None:
+    """One row per sequence: its logical blocks, filled as far as they hold tokens, each with a
+    line down to the physical block it maps to."""
+    from matplotlib.patches import Rectangle
+
+    labels, block_size = list(rows), manager.block_size
     for row, label in enumerate(labels):
         y = len(labels) - 1 - row
         table = manager.block_tables[rows[label]]
@@ -127,56 +147,67 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
             fill = min(block_size, table.num_tokens - j * block_size) / block_size
             shared = len(holders[block_id]) > 1
             ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="white", edgecolor=color[label], lw=1.2))
-            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=shared_face if shared else color[label],
-                                   alpha=0.7, lw=0, **(hatching if shared else {})))
+            ax.add_patch(Rectangle((j, y), 0.9 * fill, 0.8, facecolor=_SHARED_FACE if shared else color[label],
+                                   alpha=0.7, lw=0, **(_HATCHING if shared else {})))
             if block_id in copied:
-                ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="none", edgecolor=red, lw=2.2))
+                ax.add_patch(Rectangle((j, y), 0.9, 0.8, facecolor="none", edgecolor=_RED, lw=2.2))
             ax.text(j + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=10,
-                    bbox=label_box if shared else None)
+                    bbox=_LABEL_BOX if shared else None)
             if block_id < num_blocks:  # behind the boxes
-                ax.plot([j + 0.45, block_id + 0.45], [y, bottom + 0.8], color=color[label], alpha=0.4, lw=1,
+                ax.plot([j + 0.45, block_id + 0.45], [y, _BOTTOM + 0.8], color=color[label], alpha=0.4, lw=1,
                         zorder=0.5)
     longest = max((len(manager.block_tables[s].block_ids) for s in rows.values()), default=0)
     for j in range(longest):
         ax.text(j + 0.45, len(labels) - 0.1, str(j), ha="center", va="bottom", fontsize=9, color="#666666")
     ax.text(-0.3, len(labels) - 0.1, "logical block", ha="right", va="bottom", fontsize=9, color="#666666")
+
+
+def _draw_physical_row(ax, allocator, num_blocks, color, holders, hashed, copied, refs) -> None:
+    """The physical blocks: coloured by their holder, grey and hatched when shared, pale when
+    free, outlined blue when named by a hash; under each, its references when ``refs`` is given."""
+    from matplotlib.patches import Rectangle
+
     for block_id in range(num_blocks):
         owners = holders.get(block_id, [])
         free = allocator.is_free(block_id)
         face = "#f2f2f2" if free and block_id not in hashed else \
-            "white" if not owners else color[owners[0]] if len(owners) == 1 else shared_face
-        ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor=face, edgecolor="black", lw=0.6,
-                               alpha=0.8, **(hatching if len(owners) > 1 else {})))
+            "white" if not owners else color[owners[0]] if len(owners) == 1 else _SHARED_FACE
+        ax.add_patch(Rectangle((block_id, _BOTTOM), 0.9, 0.8, facecolor=face, edgecolor="black", lw=0.6,
+                               alpha=0.8, **(_HATCHING if len(owners) > 1 else {})))
         if block_id in hashed or block_id in copied:
-            ax.add_patch(Rectangle((block_id, bottom), 0.9, 0.8, facecolor="none", lw=2.5 if block_id in hashed else 2.2,
-                                   edgecolor=blue if block_id in hashed else red))
-        ax.text(block_id + 0.45, bottom + 0.4, str(block_id), ha="center", va="center", fontsize=10,
-                bbox=label_box if len(owners) > 1 else None)
-        if counted and (not free or block_id in hashed):
-            ax.text(block_id + 0.45, bottom - 0.3, f"×{refs(block_id)}", ha="center", va="center", fontsize=9)
-    for source, destination in copies:  # down from the source, across, up into the destination
-        x0, x1, y = source + 0.45, destination + (0.75 if destination > source else 0.15), bottom - 0.85
-        ax.plot([x0, x0, x1], [bottom - 0.55, y, y], color=red, lw=1.5)
-        ax.add_patch(FancyArrowPatch((x1, y), (x1, bottom - 0.02), arrowstyle="-|>", mutation_scale=12,
-                                     color=red, lw=1.5, shrinkA=0, shrinkB=0))
-        ax.text((source + destination) / 2 + 0.45, y - 0.08, f"copy {source} → {destination}", ha="center", va="top",
-                fontsize=9, color=red)
-    ax.text(-0.3, bottom + 0.4, "physical", ha="right", va="center", fontsize=10)
-    if counted:
-        ax.text(-0.3, bottom - 0.3, "references", ha="right", va="center", fontsize=9)
-    ax.set_xlim(-2.6, width + 0.1)
-    ax.set_ylim(bottom - (1.4 if copies else 0.7), len(labels) + 0.35)
-    ax.axis("off")
-    if legend:
-        handles = [Patch(facecolor=shared_face, edgecolor="black", lw=0.6, label="shared", **hatching),
-                   Patch(facecolor="#f2f2f2", edgecolor="black", lw=0.6, label="free")]
-        if hashed:
-            handles.append(Patch(facecolor="white", edgecolor=blue, lw=2.5, label="named: findable by its hash"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False,
-                  fontsize=9, borderaxespad=0)
-    if title:
-        ax.set_title(title, loc="left", fontsize=10)
-    return ax
+            ax.add_patch(Rectangle((block_id, _BOTTOM), 0.9, 0.8, facecolor="none",
+                                   lw=2.5 if block_id in hashed else 2.2, edgecolor=_BLUE if block_id in hashed else _RED))
+        ax.text(block_id + 0.45, _BOTTOM + 0.4, str(block_id), ha="center", va="center", fontsize=10,
+                bbox=_LABEL_BOX if len(owners) > 1 else None)
+        if refs and (not free or block_id in hashed):
+            ax.text(block_id + 0.45, _BOTTOM - 0.3, f"×{refs(block_id)}", ha="center", va="center", fontsize=9)
+    ax.text(-0.3, _BOTTOM + 0.4, "physical", ha="right", va="center", fontsize=10)
+    if refs:
+        ax.text(-0.3, _BOTTOM - 0.3, "references", ha="right", va="center", fontsize=9)
+
+
+def _draw_copies(ax, copies) -> None:
+    """Each copy-on-write copy as a red arrow: down from the source, across, up into the destination."""
+    from matplotlib.patches import FancyArrowPatch
+
+    for source, destination in copies:
+        x0, x1, y = source + 0.45, destination + (0.75 if destination > source else 0.15), _BOTTOM - 0.85
+        ax.plot([x0, x0, x1], [_BOTTOM - 0.55, y, y], color=_RED, lw=1.5)
+        ax.add_patch(FancyArrowPatch((x1, y), (x1, _BOTTOM - 0.02), arrowstyle="-|>", mutation_scale=12,
+                                     color=_RED, lw=1.5, shrinkA=0, shrinkB=0))
+        ax.text((source + destination) / 2 + 0.45, y - 0.08, f"copy {source} → {destination}", ha="center",
+                va="top", fontsize=9, color=_RED)
+
+
+def _block_legend(ax, hashed: bool) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=_SHARED_FACE, edgecolor="black", lw=0.6, label="shared", **_HATCHING),
+               Patch(facecolor="#f2f2f2", edgecolor="black", lw=0.6, label="free")]
+    if hashed:
+        handles.append(Patch(facecolor="white", edgecolor=_BLUE, lw=2.5, label="named: findable by its hash"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False,
+              fontsize=9, borderaxespad=0)
 
 
 def plot_block_owners(history, ax=None, title=None):

@@ -16,15 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from minipaged.common.sequence import SequenceStatus
 from minipaged.stage0_contiguous import ContiguousKVCache
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import (
-    Scheduler,
-    SchedulerOutput,
-    SequenceStatus,
-    SwapBlockSpaceManager,
-)
-from minipaged.stage7_engine import LLMEngine, Sampler, SamplingParams
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_swapping import SwapBlockSpaceManager
+from minipaged.stage7_engine import LLMEngine, SamplingParams
+from minipaged.stage7_model_runner import Sampler
 
 KINDS = ("token", "reserved", "internal", "external", "free")
 

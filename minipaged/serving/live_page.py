@@ -1,80 +1,13 @@
 """The live page of ``minipaged serve``: the engine's queues and block map, drawn in a browser.
 
-``snapshot(llm)`` reads the scheduler and the block manager through their public names and
-returns JSON-ready data (the server calls it between steps, under the engine's lock); ``PAGE``
-is the HTML page at ``GET /`` that polls ``GET /state`` and draws it.
-
-What the snapshot holds:
-
-* ``num_blocks``, ``free_blocks``, ``block_size``: the GPU pool of KV blocks;
-* ``blocks``: each GPU block in use -> the request id of every sequence whose block table holds
-  it (a block shared by three samples of one request lists that request three times);
-  ``shared``: the GPU blocks held by more than one sequence;
-* ``cpu``: the CPU swap pool, the same way (``num_blocks``, ``free_blocks``, ``blocks``,
-  ``shared``), or ``None`` when the engine has no swap space;
-* ``waiting``, ``running``, ``swapped``: the queues, oldest first, one entry per request: its
-  ``id``, ``index`` (its arrival number, which keys its colour on the page), ``prompt_tokens``,
-  ``width`` (``n``), ``tokens`` (tokens generated, per sequence), ``text`` (the end of its first
-  sequence's text), ``gpu_blocks`` and ``cpu_blocks`` (distinct blocks it holds), and ``seqs``:
-  per sequence its ``seq_id``, ``status``, ``tokens``, ``num_tokens`` (prompt included), ``where``
-  its blocks are (``"gpu"``, ``"cpu"`` or ``None``), its ``block_table`` (logical block ``i`` is
-  physical block ``block_table[i]`` of that pool) and the end of its ``text``;
-* ``stats``: the engine's counters (``LLM.stats``).
+``PAGE`` is the HTML page at ``GET /`` that polls ``GET /state`` and draws it: the GPU block
+map (each request in its own colour, keyed by its arrival number), the CPU swap pool, the
+queues, each request's block table and the end of its text. ``GET /state`` answers
+``EngineClient.snapshot()``, read between steps under the engine's lock;
+``minipaged.serving.engine_client.snapshot`` says what it holds.
 """
 
 from __future__ import annotations
-
-TAIL_TOKENS = 48  # the page shows the end of each text: decode only the last tokens, under the lock
-TAIL_CHARS = 120
-
-
-def _tail(llm, token_ids: list[int]) -> str:
-    """The end of a sequence's text; a character cut in half by the token window is dropped."""
-    if not token_ids:
-        return ""
-    return llm.engine.text(token_ids[-TAIL_TOKENS:]).lstrip("\ufffd")[-TAIL_CHARS:]
-
-
-def _pool(num_blocks: int, free_blocks: int, owners: dict[int, list[str]]) -> dict:
-    return {"num_blocks": num_blocks, "free_blocks": free_blocks,
-            "blocks": {str(b): o for b, o in sorted(owners.items())},
-            "shared": sorted(b for b, o in owners.items() if len(o) > 1)}
-
-
-def snapshot(llm) -> dict:
-    """The queues, the GPU block map and the CPU swap pool: who holds which block (see the module)."""
-    scheduler, manager = llm.scheduler, llm.scheduler.block_manager
-    owners = {"gpu": {}, "cpu": {}}  # pool -> block -> request id of each sequence holding it
-    queues = {}
-    for name in ("waiting", "running", "swapped"):
-        queues[name] = []
-        for group in getattr(scheduler, name, ()):  # stage 10 has no swapped queue
-            if group.is_finished():  # done, and leaving at the next step
-                continue
-            request_id, seqs = str(group.request_id), []
-            for seq in group.seqs:
-                if seq.seq_id in manager.block_tables:
-                    where, table = "gpu", manager.get_block_table(seq.seq_id)
-                elif seq.seq_id in manager.swapped_tables:
-                    where, table = "cpu", list(manager.swapped_tables[seq.seq_id].block_ids)
-                else:  # waiting (never run, or preempted by recomputation) or finished: no blocks
-                    where, table = None, []
-                for block in table:
-                    owners[where].setdefault(block, []).append(request_id)
-                seqs.append({"seq_id": seq.seq_id, "status": seq.status.value,
-                             "tokens": len(seq.output_token_ids), "num_tokens": len(seq), "where": where,
-                             "block_table": table, "text": _tail(llm, seq.output_token_ids)})
-            queues[name].append({
-                "id": request_id, "index": group.arrival, "prompt_tokens": len(group.seqs[0].prompt_token_ids),
-                "width": group.width, "tokens": [s["tokens"] for s in seqs], "text": seqs[0]["text"],
-                "gpu_blocks": len({b for s in seqs if s["where"] == "gpu" for b in s["block_table"]}),
-                "cpu_blocks": len({b for s in seqs if s["where"] == "cpu" for b in s["block_table"]}),
-                "seqs": seqs})
-    gpu = _pool(manager.num_total_blocks, manager.num_free_blocks, owners["gpu"])
-    pool = manager.cpu_allocator
-    cpu = None if pool is None else _pool(pool.num_total_blocks, pool.num_free_blocks, owners["cpu"])
-    return {**gpu, "block_size": manager.block_size, "cpu": cpu, **queues, "stats": llm.stats}
-
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>minipaged — the engine, live</title>
@@ -302,7 +235,7 @@ function draw(s) {
   const waiting = s.waiting.length, running = s.running.length, swapped = s.swapped.length;
   document.getElementById('summary').textContent =
     `${s.num_blocks - s.free_blocks} of ${s.num_blocks} blocks in use; ${running} running, ` +
-    `${waiting} waiting, ${swapped} swapped; ${s.stats.preemptions} preemptions`;
+    `${waiting} waiting, ${swapped} swapped; ${s.stats.num_preemptions} preemptions`;
   const shown = hovered || pinned;
   const G = buildMap('gpu', document.getElementById('blocks'), document.getElementById('gpu-area'),
                      s.num_blocks, 7, 44);

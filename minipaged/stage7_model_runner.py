@@ -1,0 +1,131 @@
+"""Stage 7 — the model runner and the sampler: one step's forward pass, and the tokens it gives.
+
+* ``ModelRunner`` — turns a ``SchedulerOutput`` into one forward pass: it applies the
+  step's block moves to the ``PagedKVCache``, flattens the new tokens of every scheduled
+  sequence into one batch (prefills and decodes together), builds the slot mapping and
+  block tables from the block manager, and runs the model, whose attention layers write
+  K/V through ``PagedKVCache.write`` and read through the block tables (stage 4's
+  reference or stage 5's Triton kernels, ``attention_backend``).
+* ``Sampler`` — logits to tokens, each sequence with its own parameters and generator:
+  ``temperature == 0`` is greedy (argmax); otherwise logits are divided by the temperature,
+  cut to the ``top_k`` most likely tokens and to the smallest set whose probability
+  reaches ``top_p``, and a token is drawn with the sequence's own seeded generator, so a
+  seeded request gives the same text every time.
+
+The engine (``stage7_engine``) calls both once a step: the runner on the scheduler's output,
+the sampler on the logits of every scheduled sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minipaged.common.logits_processors import apply_logits_processors
+from minipaged.common.sampling_params import SamplingParams
+from minipaged.models import AttentionMetadata
+from minipaged.stage6_scheduler import SchedulerOutput
+from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
+
+if TYPE_CHECKING:  # the engine's sequences, named in annotations only
+    from minipaged.stage7_engine import SampledSequence
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p: ``(vocab,)`` float32 logits, the cut ones at -inf.
+
+    In this order, each on the result of the one before: logits are divided by the
+    temperature (the kept logits are the divided ones); ``top_k > 0`` keeps the ``top_k``
+    largest (every token tied with the k-th value kept); ``top_p < 1`` keeps the smallest set
+    of most likely tokens whose probability — the softmax of what top-k left — reaches
+    ``top_p``: the token that crosses it is kept, so a tiny ``top_p`` keeps exactly the most
+    likely token; among tokens tied in probability only as many as the set needs are kept
+    (which of them is free).
+    """
+    # BEGIN SOLUTION divide by the temperature; keep the top_k largest; keep the smallest set reaching top_p
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+    # END SOLUTION
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from ``(vocab,)`` float32 logits: the argmax at temperature 0, else a draw from
+    the softmax of ``process_logits``, with ``generator`` (so a seeded sequence repeats itself)."""
+    # BEGIN SOLUTION greedy at temperature 0, else draw from softmax of the processed logits
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(process_logits(logits, params), dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    # END SOLUTION
+
+
+class Sampler:
+    """Logits ``(num_seqs, vocab)`` to one token per sequence, and the log-probabilities of all.
+
+    First the rows whose params ask for penalties, ``logit_bias``, ``min_tokens`` or ``min_p``
+    are processed in place (``minipaged.common.logits_processors``; ``eos_token_ids`` are the tokens
+    ``min_tokens`` holds back)."""
+
+    def __init__(self, eos_token_ids=()) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence],
+                 params: list[SamplingParams]) -> tuple[list[int], torch.Tensor]:
+        apply_logits_processors(logits, seqs, params, self.eos_token_ids)
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows in one go; the others are drawn
+        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+            if p.temperature > 0:
+                tokens[i] = sample(logits[i], p, seq.generator)
+        return tokens, torch.log_softmax(logits, dim=-1)
+
+
+class ModelRunner:
+    """Runs the model on a step's new tokens, K/V through the paged cache."""
+
+    def __init__(self, model, cache: SwapPagedKVCache, block_manager: SwapBlockSpaceManager, backend) -> None:
+        self.model, self.cache, self.block_manager, self.backend = model, cache, block_manager, backend
+        self.device = cache.key_cache[0].device
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step: ``(num_seqs, vocab)`` float32 logits, one row per scheduled sequence, in order.
+
+        First the block moves, in this order: swap out, swap in, copy-on-write copies. Then one
+        forward pass over the new tokens of every scheduled sequence, flattened: a sequence with
+        ``n`` new tokens contributes its last ``n`` token ids at positions ``len - n .. len - 1``;
+        their K/V go to the block manager's ``slot_mapping``; attention reads through
+        ``block_tables_tensor`` and ``seq_lens`` (``query_start_loc`` when any sequence has more
+        than one new token). Each sequence's row is the logits of its last token.
+        """
+        # BEGIN SOLUTION block moves first; flatten the new tokens; slot mapping, tables, lengths; forward
+        self.cache.swap_out(out.blocks_to_swap_out)
+        self.cache.swap_in(out.blocks_to_swap_in)
+        self.cache.copy_blocks(out.blocks_to_copy)
+        seqs, counts = [s for s, _ in out.scheduled], [n for _, n in out.scheduled]
+        ids, positions = [], []
+        for seq, n in out.scheduled:
+            ids += seq.token_ids[len(seq) - n:]
+            positions += range(len(seq) - n, len(seq))
+        seq_ids = [s.seq_id for s in seqs]
+        ends = torch.tensor(counts).cumsum(0)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=self.block_manager.slot_mapping(seq_ids, counts).to(self.device),
+            block_tables=self.block_manager.block_tables_tensor(seq_ids).to(self.device),
+            seq_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device),
+            query_start_loc=None if max(counts) == 1 else starts.to(self.device),
+            backend=self.backend,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                self.cache, meta)
+            return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()
+        # END SOLUTION
