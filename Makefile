@@ -21,7 +21,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/minipaged demo
 
-# ruff, every test, the numerical ones again on ATen's portable kernels, the mutant catalogue, every
+# ruff and mypy, every test, the numerical ones again on ATen's portable kernels, the mutant catalogue, every
 # notebook (executed), and the documentation site (strict).
 test: lint browser unit unit-default-simd mutants notebooks docs-build
 
@@ -35,6 +35,7 @@ browser:
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # Every test but the site's, which runs once the site is built (docs-build).
 unit: $(STAMP)

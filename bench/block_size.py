@@ -56,8 +56,8 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     latency = {size: kernel_latency_ms(size) for size in SIZES} if gpu else {}
     for size in SIZES:
-        cells = "  ".join(f"{n} {100 * results[f'{n}/{size}']['token']:5.1f}% ({results[f'{n}/{size}']['running']:5.1f} running)"
-                          for n in TRACES)
+        cells = "  ".join(f"{n} {100 * results[f'{n}/{size}']['token']:5.1f}% "
+                          f"({results[f'{n}/{size}']['running']:5.1f} running)" for n in TRACES)
         print(f"block {size:>3}: {cells}" + (f"  kernel {latency[size]:.3f} ms" if gpu else ""))
     (results_dir / "block_size.json").write_text(json.dumps({"utilisation": results, "kernel_ms": latency}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 3.2))

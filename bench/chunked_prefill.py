@@ -108,9 +108,10 @@ def main() -> None:
     ax.legend(frameon=False, fontsize=8)
     fig.savefig(results_dir / "chunked_prefill.png", dpi=120)
     whole, chunked = rows["stage 9 (whole prompt)"], rows["stage 10, budget 256"]
-    print(f"chunked prefill (budget 256): worst step {whole['worst_step_ms']:.1f} -> {chunked['worst_step_ms']:.1f} ms, "
-          f"inter-token p99 {whole['itl_p99_ms']:.1f} -> {chunked['itl_p99_ms']:.1f} ms, long prompt's first token "
-          f"{whole['ttft_ms']:.1f} -> {chunked['ttft_ms']:.1f} ms")
+    print(f"chunked prefill (budget 256): worst step {whole['worst_step_ms']:.1f} -> "
+          f"{chunked['worst_step_ms']:.1f} ms, inter-token p99 {whole['itl_p99_ms']:.1f} -> "
+          f"{chunked['itl_p99_ms']:.1f} ms, long prompt's first token {whole['ttft_ms']:.1f} -> "
+          f"{chunked['ttft_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def main() -> None:
     fig.savefig(results_dir / "prefix_caching.png", dpi=120)
     print("prefix caching: " + ", ".join(
         f"{n} {rows[f'{n}/on']['requests_per_s'] / rows[f'{n}/off']['requests_per_s']:.1f}x throughput, "
-        f"{100 * (1 - rows[f'{n}/on']['prefill_tokens'] / rows[f'{n}/off']['prefill_tokens']):.0f}% fewer prefill tokens"
-        for n in names))
+        f"{100 * (1 - rows[f'{n}/on']['prefill_tokens'] / rows[f'{n}/off']['prefill_tokens']):.0f}% "
+        "fewer prefill tokens" for n in names))
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ async def load(url, requests, prompts, rate):
     ttft = sorted(r["ttft"] for r in record)
     pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0  # noqa: E731
     return {"normalized_latency": statistics.mean(r["latency"] / r["tokens"] for r in record),
-            "ttft_p50": pick(ttft, 0.5), "ttft_p99": pick(ttft, 0.99), "itl_p50": pick(itl, 0.5), "itl_p99": pick(itl, 0.99)}
+            "ttft_p50": pick(ttft, 0.5), "ttft_p99": pick(ttft, 0.99),
+            "itl_p50": pick(itl, 0.5), "itl_p99": pick(itl, 0.99)}
 
 
 def plot(data: dict, path: Path) -> None:
@@ -172,7 +173,8 @@ def headline(held: dict) -> str:
 
 def main() -> None:
     parser = make_parser(__doc__, quick="one trace, fewer requests and rates")
-    parser.add_argument("--threads", type=int, help="torch CPU threads, the same for every policy (default: the free cores)")
+    parser.add_argument("--threads", type=int,
+                        help="torch CPU threads, the same for every policy (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the saved results (bench/results/serving.json), measuring nothing")
     args = parser.parse_args()
@@ -213,9 +215,9 @@ def main() -> None:
         held[name] = {policy: max([rate for rate, row in rows.items() if row["normalized_latency"] <= threshold],
                                   default=0) for policy, rows in by_policy.items()}
         held[name]["threshold_ms_per_token"] = 1e3 * threshold
-    (results_dir / "serving.json").write_text(json.dumps({"blocks": BLOCKS, "block_size": BLOCK_SIZE, "max_len": MAX_LEN,
-                                                           "threads": threads,
-                                                           "results": results, "held": held, "paper": PAPER}, indent=2))
+    saved = {"blocks": BLOCKS, "block_size": BLOCK_SIZE, "max_len": MAX_LEN, "threads": threads,
+             "results": results, "held": held, "paper": PAPER}
+    (results_dir / "serving.json").write_text(json.dumps(saved, indent=2))
     data = json.loads((results_dir / "serving.json").read_text())  # as --plot-only reads it
     plot(data, results_dir / "serving.png")
     print(headline(held))

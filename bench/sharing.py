@@ -1,13 +1,13 @@
-"""How much KV memory does sharing save, for parallel sampling and beam search? (the vLLM paper's Figure 15, on Alpaca; §6.3 on ShareGPT)
+"""How much KV memory does sharing save, for parallel sampling and beam search? (the vLLM paper's Figure 15)
 
-Runs the tiny model through minipaged's engine on ShareGPT-like and Alpaca-like requests
-(the paper's mean lengths, each request clipped to 500 tokens): parallel sampling with
-n = 2, 4, 6 with shared blocks (stage 8: one prefill, then forks) and without (stage 7's
-engine serving n separate requests seeded one apart), and beam search with
-width 2, 4, 6, whose unshared baseline is every beam holding its own copy of its tokens.
-The saving is 1 - (blocks in use with sharing) / (blocks without), averaged over the
-steps. Block size 16. Writes bench/results/sharing.json and .png; the last line is the
-headline.
+The paper measures it on Alpaca (Figure 15) and on ShareGPT (§6.3). Runs the tiny model
+through minipaged's engine on ShareGPT-like and Alpaca-like requests (the paper's mean
+lengths, each request clipped to 500 tokens): parallel sampling with n = 2, 4, 6 with shared
+blocks (stage 8: one prefill, then forks) and without (stage 7's engine serving n separate
+requests seeded one apart), and beam search with width 2, 4, 6, whose unshared baseline is
+every beam holding its own copy of its tokens. The saving is 1 - (blocks in use with
+sharing) / (blocks without), averaged over the steps. Block size 16. Writes
+bench/results/sharing.json and .png; the last line is the headline.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def main() -> None:
             results[f"{trace}/beam/{k}"] = beam_saving(requests, k)
             print(f"{trace:<9} n/width {k}: parallel sampling saves {100 * results[f'{trace}/parallel/{k}']:5.1f}%, "
                   f"beam search {100 * results[f'{trace}/beam/{k}']:5.1f}%")
-    (results_dir / "sharing.json").write_text(json.dumps({"saving": results, "paper": {f"{a}/{b}": v for (a, b), v in PAPER.items()}}, indent=2))
+    paper = {f"{a}/{b}": v for (a, b), v in PAPER.items()}
+    (results_dir / "sharing.json").write_text(json.dumps({"saving": results, "paper": paper}, indent=2))
     plot(json.loads((results_dir / "sharing.json").read_text()), results_dir / "sharing.png")
     print("memory saved by sharing, ours (paper): " + "; ".join(
         f"{t} {kind} {100 * min(results[f'{t}/{kind}/{k}'] for k in (2, 4, 6)):.1f}-"

@@ -8,9 +8,10 @@ decode on the tiny model (CPU), the wall time of ``engine.step()`` and, inside i
 of the model's own ``forward`` and ``compute_logits`` (wrapped here, from the outside), each
 summed over the decode steps of a run; the share outside the forward is ``1 - forward /
 step``, split into the scheduler's ``schedule``, the runner's inputs (its call less the
-forward), the sampler, and the rest (outputs and counters), the median of 5 runs of 200 steps (one of 16 with --quick). The thread count and the machine's load are
-recorded. Writes bench/results/step_overhead.json (bench/results/quick/ with --quick); the
-last line is the headline.
+forward), the sampler, and the rest (outputs and counters), the median of 5 runs of 200
+steps (one of 16 with --quick). The thread count and the machine's load are recorded.
+Writes bench/results/step_overhead.json (bench/results/quick/ with --quick); the last line
+is the headline.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def main() -> None:
         blocks = rows[size]["blocks"]
         print(f"block {size:>3} ({blocks:>4} blocks): swap out+in {rows[size]['swap_ms']:8.2f} ms, "
               f"recompute {rows[size]['recompute_ms']:8.2f} ms")
-    (results_dir / "swap_vs_recompute.json").write_text(json.dumps({"device": device, "tokens": TOKENS, "rows": rows}, indent=2))
+    saved = {"device": device, "tokens": TOKENS, "rows": rows}
+    (results_dir / "swap_vs_recompute.json").write_text(json.dumps(saved, indent=2))
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.loglog(SIZES, [rows[s]["swap_ms"] for s in SIZES], "o-", base=2, label="swap out + in")
     ax.loglog(SIZES, [rows[s]["recompute_ms"] for s in SIZES], "s-", base=2, label="recompute (prefill)")

@@ -64,7 +64,8 @@ def hf_continuous_batching(model, prompts, outputs, batch_size) -> tuple[float, 
 
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(outputs))
     manager = model.init_continuous_batching(
-        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=batch_size))
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=batch_size))
     manager.start()
     try:
         manager.add_request([1, 2, 3], request_id="warm-up", max_new_tokens=2)  # not timed: start-up, warm-up
@@ -138,7 +139,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads for every side (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
-                        help="redraw the plot from the saved results (bench/results/throughput.json), measuring nothing")
+                        help="redraw the plot from the saved results (bench/results/throughput.json), "
+                             "measuring nothing")
     args = parser.parse_args()
     results_dir = results_dir_for(args)
     if args.plot_only:

@@ -5,6 +5,12 @@ Each stage adds one idea, checked against the stage below it, in its module
 and its swapping, stage 7's engine and its sampler, stage 10's scheduler and its runner).
 """
 
+from collections.abc import Callable
+
+import torch
+
+from minipaged.common.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.stage0_contiguous import (
     POLICIES,
     CacheUsage,
@@ -22,14 +28,6 @@ from minipaged.stage3_copy_on_write import (
     RefCountedBlockAllocator,
 )
 from minipaged.stage4_reference_attention import check_paged_attention_args, paged_attention_ref
-
-try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4 serves
-    from minipaged.stage5_triton_attention import paged_attention_triton
-except ImportError:  # pragma: no cover
-    paged_attention_triton = None
-
-from minipaged.common.sampling_params import CompletionOutput, RequestOutput, SamplingParams
-from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 from minipaged.stage7_engine import LLMEngine
@@ -45,6 +43,12 @@ from minipaged.stage9_prefix_caching import (  # the top of the ladder: every fe
     PrefixCachingAllocator,
     PrefixCachingBlockSpaceManager,
 )
+
+paged_attention_triton: Callable[..., torch.Tensor] | None
+try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4 serves
+    from minipaged.stage5_triton_attention import paged_attention_triton
+except ImportError:  # pragma: no cover
+    paged_attention_triton = None
 
 __version__ = "0.1.0"
 

@@ -11,14 +11,15 @@ scheduler sends them to its model runner.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from minipaged.models import AttentionMetadata
+from minipaged.models import AttentionMetadata, CausalLM
+from minipaged.stage2_block_table import PagedKVCache
 
 if TYPE_CHECKING:  # the engine's requests, named in annotations only
     from minipaged.stage7_engine import Request
@@ -113,7 +114,8 @@ class InputBatch:
 class V1ModelRunner:
     """Applies a step's differences to the persistent batch, gathers the flat inputs, runs the model."""
 
-    def __init__(self, model, cache, block_size: int, max_num_reqs: int, max_model_len: int, backend) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, block_size: int, max_num_reqs: int, max_model_len: int,
+                 backend: Callable[..., torch.Tensor]) -> None:
         self.model, self.cache, self.block_size, self.backend = model, cache, block_size, backend
         self.device = cache.key_cache[0].device
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))

@@ -33,17 +33,20 @@ same tokens and log-probabilities for any budget, from 1 token up.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import torch
 
 from minipaged import stage9_prefix_caching
-from minipaged.common.config import EngineConfig, check_int
+from minipaged.common.config import ResolvedEngineConfig, check_int
+from minipaged.common.processor import Prompt
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.common.stats import SchedulerStats
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage7_engine import LLMEngine, Request
+from minipaged.stage8_sharing import BeamSearchOutput
 from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
 from minipaged.stage10_model_runner import (
     CachedRequestData,
@@ -86,7 +89,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq.seq_id)
 
-    def num_slots(self, seqs: list[Sequence]) -> tuple[int, int]:
+    def num_slots(self, seqs: Iterable[Sequence]) -> tuple[int, int]:
         """(slots holding K/V, slots held), as stage 2's ``usage()`` counts them, without walking
         every block: only a table's last block can be part full, and prefix caching shares full
         blocks only, so the slack is a sum over sequences and the rest is the used blocks."""
@@ -125,7 +128,8 @@ class V1Scheduler:
         if len(seq) < 1:
             raise ValueError("the prompt is empty: a request needs at least one token")
         longest = len(seq) + request.max_tokens
-        if longest > self.max_model_len or self.block_manager.blocks_needed(longest) > self.block_manager.num_total_blocks:
+        if (longest > self.max_model_len
+                or self.block_manager.blocks_needed(longest) > self.block_manager.num_total_blocks):
             raise ValueError(f"prompt ({len(seq)} tokens) + max_tokens ({request.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len} or the cache")
         seq.status = SequenceStatus.WAITING
@@ -189,8 +193,9 @@ class V1Scheduler:
         2. Waiting requests, oldest first, while budget is left and fewer than ``max_num_seqs`` run;
            stop at the first that ``allocate_prompt`` refuses. (V1 admits nothing in a step that
            preempted; here that is no rule of its own: the request just preempted heads the queue
-           and cannot fit, its blocks being one fewer than it needs.) An admitted request joins the end of ``running`` with ``num_computed_tokens``
-           set to what ``allocate_prompt`` found and gets ``n`` tokens as above.
+           and cannot fit, its blocks being one fewer than it needs.) An admitted request joins
+           the end of ``running`` with ``num_computed_tokens`` set to what ``allocate_prompt``
+           found and gets ``n`` tokens as above.
 
         At the end every scheduled request's ``num_computed_tokens`` grows by its ``n`` (V1 counts
         them computed as soon as they are scheduled). New requests go to the runner whole
@@ -246,14 +251,23 @@ class V1Scheduler:
 
 
 class V1Engine(LLMEngine):
-    """Stage 7's engine, stepping V1's scheduler and runner: schedule, execute, sample, update."""
+    """Stage 7's engine, stepping V1's scheduler and runner: schedule, execute, sample, update.
 
-    def add_request(self, request_id, prompt, params: SamplingParams) -> Request:
+    Stage 7's loop (``step``) over V1's parts: its scheduler and runner stand in for stage 6's
+    and stage 7's, and the hooks that read a step take V1's ``SchedulerOutput``. None of them is
+    a subtype of the part it replaces, so where they narrow stage 7's types the type checker is
+    told so (``type: ignore[assignment]`` and ``[override]``).
+    """
+
+    scheduler: V1Scheduler  # type: ignore[assignment]
+    runner: V1ModelRunner  # type: ignore[assignment]
+
+    def add_request(self, request_id: Hashable, prompt: Prompt, params: SamplingParams) -> Request:
         if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
         return super().add_request(request_id, prompt, params)
 
-    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:
+    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
         """Run the step; sample for the requests that finished their prompt: those, in order."""
         req_ids, logits = self.runner.execute_model(out)
         requests = [self.requests[r] for r in req_ids]
@@ -265,10 +279,10 @@ class V1Engine(LLMEngine):
         self.last_scheduler_output = out  # kept for pictures of the steps
         return requests
 
-    def requests_touched(self, out: SchedulerOutput) -> list[Request]:
+    def requests_touched(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
         return out.scheduled + out.preempted
 
-    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:
+    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:  # type: ignore[override]
         """A decode is a request fed back the token it sampled; every other token is a prompt's."""
         decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)
         running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
@@ -282,24 +296,26 @@ class LLM(stage9_prefix_caching.LLM):
     engine_class = V1Engine
 
     def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, **kwargs) -> None:
+                 enable_prefix_caching: bool = True, **kwargs: Any) -> None:
         super().__init__(model, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=enable_prefix_caching, **kwargs)
 
-    def check_config(self, config: EngineConfig) -> EngineConfig:
+    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
         if config.preemption_mode != "recompute" or not config.enable_prefix_caching:
             raise ValueError("V1 preempts by recompute only, and prefix caching is always on")
+        check_int("max_num_batched_tokens", config.max_num_batched_tokens, 1)  # V1 has no default budget: not None
         return config
 
-    def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:
+    def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:  # type: ignore[override]
         c = self.config
+        assert c.max_num_batched_tokens is not None  # check_config refused None
         return V1Scheduler(KVCacheManager(block_manager), max_num_batched_tokens=c.max_num_batched_tokens,
                            max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
 
-    def build_runner(self) -> V1ModelRunner:
+    def build_runner(self) -> V1ModelRunner:  # type: ignore[override]
         c = self.config
         return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
                              self.attention_backend())
 
-    def beam_search(self, prompts, params=None):
+    def beam_search(self, prompts: object, params: object = None) -> list[BeamSearchOutput]:
         raise ValueError("stage 10 serves one sequence per request: use stage 8's or 9's LLM for beam search")

@@ -29,12 +29,27 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from minipaged.stage0_contiguous import CacheUsage
-from minipaged.stage1_block_allocator import BlockAllocator, OutOfBlocksError
+from minipaged.stage1_block_allocator import OutOfBlocksError
+
+
+class Allocator(Protocol):
+    """What a ``BlockSpaceManager`` uses of its allocator: stage 1's ``BlockAllocator``, or one that wraps it."""
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    def allocate(self, num_blocks: int = 1) -> list[int]: ...
+
+    def free(self, block_id: int) -> None: ...
 
 
 @dataclass
@@ -53,7 +68,7 @@ class BlockSpaceManager:
     ``num_free_blocks``, ``num_total_blocks``.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int = 16) -> None:
+    def __init__(self, allocator: Allocator, block_size: int = 16) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.allocator, self.block_size = allocator, block_size
@@ -238,11 +253,13 @@ class PagedKVCache:
         v_flat[slot_mapping] = value.to(v_flat.dtype)
         # END SOLUTION
 
-    def gather(self, layer: int, block_table: Sequence[int] | torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_table: Sequence[int] | torch.Tensor,
+               seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, read through its table."""
         table = torch.as_tensor(block_table, dtype=torch.int64, device=self.key_cache[layer].device)
         if table.numel() < -(-seq_len // self.block_size):
-            raise ValueError(f"seq_len {seq_len} needs {-(-seq_len // self.block_size)} blocks; the table has {table.numel()}")
+            raise ValueError(f"seq_len {seq_len} needs {-(-seq_len // self.block_size)} blocks; "
+                             f"the table has {table.numel()}")
         return gather_kv(self.key_cache[layer], self.value_cache[layer], table, seq_len)
 
 

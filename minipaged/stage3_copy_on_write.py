@@ -27,11 +27,12 @@ unshared cache would hold, in fewer physical blocks.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Protocol
 
 import torch
 
 from minipaged.stage1_block_allocator import BlockAllocator
-from minipaged.stage2_block_table import BlockSpaceManager, BlockTable, PagedKVCache
+from minipaged.stage2_block_table import Allocator, BlockSpaceManager, BlockTable, PagedKVCache
 
 
 class RefCountedBlockAllocator:
@@ -98,13 +99,23 @@ class RefCountedBlockAllocator:
         # END SOLUTION
 
 
+class RefCountingAllocator(Allocator, Protocol):
+    """An allocator that counts references: a ``RefCountedBlockAllocator``, or one that wraps it."""
+
+    def ref_count(self, block_id: int) -> int: ...
+
+    def incref(self, block_id: int) -> None: ...
+
+
 class CowBlockSpaceManager(BlockSpaceManager):
     """A ``BlockSpaceManager`` whose sequences share blocks: fork and copy-on-write.
 
     Its allocator must count references: a ``RefCountedBlockAllocator`` (or one that wraps it).
     """
 
-    def __init__(self, allocator: RefCountedBlockAllocator, block_size: int = 16) -> None:
+    allocator: RefCountingAllocator
+
+    def __init__(self, allocator: RefCountingAllocator, block_size: int = 16) -> None:
         super().__init__(allocator, block_size)
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination), for the runner
 

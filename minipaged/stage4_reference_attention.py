@@ -62,9 +62,9 @@ def check_paged_attention_args(
               f"num_kv_heads={num_kv_heads}", tuple(query.shape))
     if query.dtype not in DTYPES:
         _fail("query.dtype", f"one of {DTYPES}", query.dtype)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != query.dtype:
-            _fail(f"{name}.dtype", f"{query.dtype}, the query's dtype", t.dtype)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != query.dtype:
+            _fail(f"{name}.dtype", f"{query.dtype}, the query's dtype", cache.dtype)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
                     ("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t is not None and t.device != query.device:
@@ -164,10 +164,10 @@ def paged_attention_ref(
     query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     single = [i for i, n in enumerate(query_lens) if n == 1]
     if single:
-        rows = torch.tensor([starts[i] for i in single], device=query.device)
+        single_rows = torch.tensor([starts[i] for i in single], device=query.device)
         picked = torch.tensor(single, device=query.device)
-        out[rows] = decode_attention_batched(query[rows], key_cache, value_cache, block_tables[picked],
-                                             seq_lens[picked], scale)
+        out[single_rows] = decode_attention_batched(query[single_rows], key_cache, value_cache, block_tables[picked],
+                                                    seq_lens[picked], scale)
     for i, seq_len in enumerate(seq_lens.tolist()):
         if query_lens[i] > 1:
             keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)

@@ -252,7 +252,8 @@ class Scheduler:
             for seq in seqs:
                 manager.append_slot(seq.seq_id)
             self._run(group, [(s, 1) for s in seqs], out)
-            budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks
+            budget, num_seqs = budget - len(seqs), num_seqs + group.max_num_running_seqs()
+            watermark = self.watermark_blocks
         return budget, num_seqs, watermark
         # END SOLUTION
 

@@ -21,13 +21,14 @@ from minipaged.stage3_copy_on_write import (
     CowBlockSpaceManager,
     CowPagedKVCache,
     RefCountedBlockAllocator,
+    RefCountingAllocator,
 )
 
 
 class SwapBlockSpaceManager(CowBlockSpaceManager):
     """Stage 3's manager plus a pool of CPU blocks that sequences can be swapped out to."""
 
-    def __init__(self, allocator: RefCountedBlockAllocator, block_size: int = 16,
+    def __init__(self, allocator: RefCountingAllocator, block_size: int = 16,
                  cpu_allocator: RefCountedBlockAllocator | None = None) -> None:
         super().__init__(allocator, block_size)
         self.cpu_allocator = cpu_allocator
@@ -85,6 +86,7 @@ class SwapBlockSpaceManager(CowBlockSpaceManager):
     def free(self, seq_id: Hashable) -> None:
         """Free the blocks of ``seq_id``, on the GPU or, if it is swapped out, on the CPU."""
         if seq_id in self.swapped_tables:
+            assert self.cpu_allocator is not None  # only a manager with a CPU pool swaps out
             for block_id in reversed(self.swapped_tables.pop(seq_id).block_ids):
                 self.cpu_allocator.free(block_id)
         else:
@@ -94,8 +96,9 @@ class SwapBlockSpaceManager(CowBlockSpaceManager):
 class SwapPagedKVCache(CowPagedKVCache):
     """Stage 3's cache plus CPU copies of its blocks, per layer, for swapping."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                 dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 num_cpu_blocks: int = 0) -> None:
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
@@ -105,7 +108,8 @@ class SwapPagedKVCache(CowPagedKVCache):
     def _copy(self, pairs, to_cpu: bool) -> None:
         if pairs:
             src, dst = (torch.tensor(ids) for ids in zip(*pairs, strict=True))
-            for gpu, cpu in zip(self.key_cache + self.value_cache, self.cpu_key_cache + self.cpu_value_cache, strict=True):
+            for gpu, cpu in zip(self.key_cache + self.value_cache, self.cpu_key_cache + self.cpu_value_cache,
+                                strict=True):
                 if to_cpu:
                     cpu[dst] = gpu[src.to(gpu.device)].cpu()
                 else:

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from minipaged.common.config import EngineConfig
-from minipaged.common.processor import Processor
+from minipaged.common.config import EngineConfig, ResolvedEngineConfig
+from minipaged.common.processor import Processor, Prompt
 from minipaged.common.sampling_params import (
     CompletionOutput,
     RequestOutput,
@@ -49,7 +52,7 @@ from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
-from minipaged.stage7_model_runner import ModelRunner, Sampler
+from minipaged.stage7_model_runner import ModelRunner, Runner, Sampler
 
 
 @dataclass(eq=False)
@@ -66,7 +69,7 @@ class SampledSequence(Sequence):
 
 
 @dataclass(eq=False)
-class Request(SequenceGroup):
+class Request(SequenceGroup[SampledSequence]):
     """A sequence group with what the engine needs to answer it."""
 
     prompt: str | None = None
@@ -77,23 +80,24 @@ class Request(SequenceGroup):
 class LLMEngine:
     """The serving loop: requests in, one scheduled and executed step at a time, outputs out."""
 
-    def __init__(self, scheduler: Scheduler, runner, sampler: Sampler, *, tokenizer=None,
-                 eos_token_ids=(), vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler, *,
+                 tokenizer: Tokenizer | None = None, eos_token_ids: Iterable[int] = (), vocab_size: int,
+                 seed: int = 0) -> None:
         self.scheduler, self.runner, self.sampler, self.tokenizer = scheduler, runner, sampler, tokenizer
         self.eos_token_ids, self.vocab_size = set(eos_token_ids), vocab_size
-        self.requests: dict[object, Request] = {}
+        self.requests: dict[Hashable, Request] = {}
         self._rng = torch.Generator().manual_seed(seed)
         self.stats = EngineStats()
         self.processor = Processor(tokenizer, vocab_size)  # a new request's prompt to checked token ids
 
-    def check(self, request_id, prompt, params) -> tuple[str | None, list[int]]:
+    def check(self, request_id: Hashable, prompt: Prompt, params: object) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids (``Processor.process_inputs``); ``ValueError``/``TypeError``
         for anything that cannot run, a request id already in use too."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already exists")
         return self.processor.process_inputs(prompt, params)
 
-    def add_request(self, request_id, prompt, params: SamplingParams) -> Request:
+    def add_request(self, request_id: Hashable, prompt: Prompt, params: SamplingParams) -> Request:
         """Check and queue one request; ``ValueError``/``TypeError`` before anything is queued."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
@@ -108,13 +112,14 @@ class LLMEngine:
         """Sequence ``index`` of a request, drawing with a generator seeded ``seed + index``."""
         return SampledSequence(list(prompt_token_ids), generator=torch.Generator().manual_seed(request.seed + index))
 
-    def make_request(self, request_id, text, ids, params: SamplingParams, seed: int) -> Request:
+    def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
+                     seed: int) -> Request:
         """A group of ``n`` independent sequences: each prefills the prompt and holds it on its own."""
         request = Request(request_id, [], params.max_tokens, width=params.n, prompt=text, params=params, seed=seed)
         request.seqs = [self.new_sequence(request, ids, i) for i in range(params.n)]
         return request
 
-    def abort_request(self, request_id) -> None:
+    def abort_request(self, request_id: Hashable) -> None:
         """Stop a request wherever it is; its blocks go back to the pool."""
         request = self.requests.pop(request_id, None)
         if request is not None:
@@ -151,23 +156,24 @@ class LLMEngine:
     def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:
         """Run the step's forward pass, sample a token for every scheduled sequence, append it:
         the requests that progressed, in order."""
-        sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in out.scheduled_groups]
-        seqs = [s for s, _ in out.scheduled]
-        params = [g.params for g, k in zip(out.scheduled_groups, sizes, strict=True) for _ in range(k)]
+        groups = cast("list[Request]", out.scheduled_groups)  # the scheduler holds this engine's requests
+        seqs = cast("list[SampledSequence]", [s for s, _ in out.scheduled])
+        sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in groups]
+        params = [g.params for g, k in zip(groups, sizes, strict=True) for _ in range(k)]
         logits = self.runner.execute(out)
         tokens, logprobs = self.sampler(logits, seqs, params)
         chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
         start = 0
-        for group, k in zip(out.scheduled_groups, sizes, strict=True):
+        for group, k in zip(groups, sizes, strict=True):
             rows = range(start, start + k)
             self.process_outputs(group, [seqs[i] for i in rows], [tokens[i] for i in rows],
                                  [chosen[i] for i in rows], logprobs[start:start + k], logits[start:start + k])
             start += k
-        return out.scheduled_groups
+        return groups
 
     def requests_touched(self, out: SchedulerOutput) -> list[Request]:
         """The requests a failed step may have left half done: the scheduled and the preempted."""
-        return out.scheduled_groups + out.preempted
+        return cast("list[Request]", out.scheduled_groups + out.preempted)
 
     def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:
         """The step's prefill tokens, decode tokens, and KV slots holding a token and held."""
@@ -222,9 +228,9 @@ class LLM:
     manager, the scheduler, the runner, the engine.
     """
 
-    engine_class = LLMEngine
+    engine_class: type[LLMEngine] = LLMEngine
 
-    def __init__(self, model: str = "tiny", **kwargs) -> None:
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
         config = EngineConfig(model=model, **kwargs)
         path = resolve_model_path(model)
         self.model_config = load_config(path)
@@ -243,7 +249,7 @@ class LLM:
                                         vocab_size=mc.vocab_size, seed=config.seed)
         self._request_ids = itertools.count()
 
-    def check_config(self, config: EngineConfig) -> EngineConfig:
+    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
         """What this stage's engine cannot serve, refused before anything is built (none here)."""
         return config
 
@@ -261,7 +267,7 @@ class LLM:
     def build_runner(self) -> ModelRunner:
         return ModelRunner(self.model, self.cache, self.scheduler.block_manager, self.attention_backend())
 
-    def attention_backend(self):
+    def attention_backend(self) -> Callable[..., torch.Tensor]:
         """Stage 4's reference, or stage 5's Triton kernels (imported only when asked for)."""
         if self.config.attention_backend == "triton":
             from minipaged.stage5_triton_attention import paged_attention_triton
@@ -277,11 +283,13 @@ class LLM:
         """What the engine and the scheduler counted since this ``LLM`` was made."""
         return Stats(engine=dataclasses.replace(self.engine.stats), scheduler=self.scheduler.make_stats())
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (strings or ``{"prompt_token_ids": [...]}``); outputs in prompt order."""
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids, done = [], {}

@@ -18,13 +18,14 @@ the sampler on the logits of every scheduled sequence.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from minipaged.common.logits_processors import apply_logits_processors
 from minipaged.common.sampling_params import SamplingParams
-from minipaged.models import AttentionMetadata
+from minipaged.models import AttentionMetadata, CausalLM
 from minipaged.stage6_scheduler import SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
@@ -57,7 +58,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     # END SOLUTION
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from ``(vocab,)`` float32 logits: the argmax at temperature 0, else a draw from
     the softmax of ``process_logits``, with ``generator`` (so a seeded sequence repeats itself)."""
     # BEGIN SOLUTION greedy at temperature 0, else draw from softmax of the processed logits
@@ -75,7 +76,7 @@ class Sampler:
     are processed in place (``minipaged.common.logits_processors``; ``eos_token_ids`` are the tokens
     ``min_tokens`` holds back)."""
 
-    def __init__(self, eos_token_ids=()) -> None:
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence],
@@ -88,10 +89,17 @@ class Sampler:
         return tokens, torch.log_softmax(logits, dim=-1)
 
 
+class Runner(Protocol):
+    """What the engine asks of a runner: ``ModelRunner``, or a stand-in without a model (``minipaged.perf``)."""
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor: ...
+
+
 class ModelRunner:
     """Runs the model on a step's new tokens, K/V through the paged cache."""
 
-    def __init__(self, model, cache: SwapPagedKVCache, block_manager: SwapBlockSpaceManager, backend) -> None:
+    def __init__(self, model: CausalLM, cache: SwapPagedKVCache, block_manager: SwapBlockSpaceManager,
+                 backend: Callable[..., torch.Tensor]) -> None:
         self.model, self.cache, self.block_manager, self.backend = model, cache, block_manager, backend
         self.device = cache.key_cache[0].device
 
@@ -110,7 +118,8 @@ class ModelRunner:
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy_blocks(out.blocks_to_copy)
         seqs, counts = [s for s, _ in out.scheduled], [n for _, n in out.scheduled]
-        ids, positions = [], []
+        ids: list[int] = []
+        positions: list[int] = []
         for seq, n in out.scheduled:
             ids += seq.token_ids[len(seq) - n:]
             positions += range(len(seq) - n, len(seq))

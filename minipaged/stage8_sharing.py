@@ -24,12 +24,14 @@ stops as transformers' ``generate(num_beams=...)`` does — so the two agree tok
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from minipaged import stage7_engine
 from minipaged.common.config import check_int
+from minipaged.common.processor import Prompt
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import SequenceStatus
 from minipaged.stage7_engine import LLMEngine, Request, SampledSequence
@@ -81,13 +83,14 @@ class BeamRequest(Request):
 class SharingEngine(LLMEngine):
     """Stage 7's engine whose requests fork: ``n`` samples, and beams, share their blocks."""
 
-    def make_request(self, request_id, text, ids, params: SamplingParams, seed: int) -> Request:
+    def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
+                     seed: int) -> Request:
         """One sequence prefills the prompt; the ``n - 1`` others are forked from it after its first step."""
         request = Request(request_id, [], params.max_tokens, width=params.n, prompt=text, params=params, seed=seed)
         request.seqs = [self.new_sequence(request, ids, 0)]
         return request
 
-    def add_beam_request(self, request_id, prompt, params: BeamSearchParams) -> BeamRequest:
+    def add_beam_request(self, request_id: Hashable, prompt: Prompt, params: BeamSearchParams) -> BeamRequest:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"expected BeamSearchParams, got {type(params).__name__}")
         text, ids = self.check(request_id, prompt, params)
@@ -112,7 +115,8 @@ class SharingEngine(LLMEngine):
         return child
         # END SOLUTION
 
-    def process_outputs(self, request, seqs, tokens, chosen, logprobs, logits) -> None:
+    def process_outputs(self, request: Request, seqs: list[SampledSequence], tokens: list[int],
+                        chosen: list[float], logprobs: torch.Tensor, logits: torch.Tensor) -> None:
         """As stage 7, after one rule: when a request of ``n`` samples has prefilled its prompt (one
         sequence so far), fork ``n - 1`` samples first — sample ``i`` seeded ``seed + i`` draws its first
         token from the same logits, greedy samples take the same token — then append every token.
@@ -162,20 +166,22 @@ class SharingEngine(LLMEngine):
             keep = []
         request.beams = self.replace_beams(request, beams, keep)
 
-    def replace_beams(self, request: BeamRequest, beams, keep) -> list[SampledSequence]:
-        """The kept candidates become the beams: a beam kept twice is forked, a beam not kept is freed."""
+    def replace_beams(self, request: BeamRequest, beams: list[SampledSequence],
+                      keep: list[tuple[float, int, int]]) -> list[SampledSequence]:
+        """The kept candidates become the beams: a beam kept twice is forked, a beam not kept is freed.
+
+        ``keep``: the kept candidates, best first, each ``(logprob, index of its beam in beams, token)``."""
         kept_by: dict[int, list[int]] = {}
         for k, (_, beam, _) in enumerate(keep):
             kept_by.setdefault(beam, []).append(k)
-        new_beams: list[SampledSequence | None] = [None] * len(keep)
+        new_beams = [beams[beam] for _, beam, _ in keep]  # each candidate's beam; below, a beam kept twice forks
         for beam, ks in kept_by.items():
-            new_beams[ks[0]] = beams[beam]
             for k in ks[1:]:  # fork before anyone appends: the forks share the parent's blocks
                 new_beams[k] = self.fork(request, beams[beam], k)
-        for index, beam in enumerate(beams):
+        for index, seq in enumerate(beams):
             if index not in kept_by:
-                beam.finish_reason = "length"
-                self.scheduler.finish(beam)  # dropped: its references go, shared blocks stay
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)  # dropped: its references go, shared blocks stay
         for seq, (value, _, token) in zip(new_beams, keep, strict=True):
             seq.append_token(token)
             seq.cumulative_logprob = value
@@ -185,9 +191,11 @@ class SharingEngine(LLMEngine):
 class LLM(stage7_engine.LLM):
     """Stage 7's engine with parallel sampling (``n > 1``) and beam search on shared blocks."""
 
-    engine_class = SharingEngine
+    engine_class: type[LLMEngine] = SharingEngine
+    engine: SharingEngine
 
-    def beam_search(self, prompts, params: BeamSearchParams | None = None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Iterable[Prompt],
+                    params: BeamSearchParams | None = None) -> list[BeamSearchOutput]:
         """Beam search for each prompt, served together; each output's beams best first."""
         params = params or BeamSearchParams()
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)

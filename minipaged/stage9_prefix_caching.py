@@ -149,6 +149,8 @@ class PrefixCachingAllocator:
 class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
     """Stage 6's manager over a ``PrefixCachingAllocator``: prompts start from their cached prefix."""
 
+    allocator: PrefixCachingAllocator
+
     def __init__(self, allocator: PrefixCachingAllocator, block_size: int = 16,
                  cpu_allocator: RefCountedBlockAllocator | None = None) -> None:
         super().__init__(allocator, block_size, cpu_allocator)

@@ -21,7 +21,8 @@ def assert_same_kv(got, want, *, seq, layer=0, what="K/V"):
     if differs.numel():
         p = int(differs[0])
         raise AssertionError(f"sequence {seq!r}, layer {layer}: {what} first differs at position {p} "
-                             f"(of {len(got)}): {got[p].flatten()[:4].tolist()} instead of {want[p].flatten()[:4].tolist()}")
+                             f"(of {len(got)}): {got[p].flatten()[:4].tolist()} "
+                             f"instead of {want[p].flatten()[:4].tolist()}")
 
 
 class ShadowedKVMachine(RuleBasedStateMachine):

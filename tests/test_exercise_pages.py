@@ -148,8 +148,8 @@ def collected() -> dict[str, int]:
     import sys
     from collections import Counter
 
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                           *sorted(str(p.relative_to(REPO_DIR)) for p in (REPO_DIR / "tests").glob("test_stage*_*.py"))],
+    files = sorted(str(p.relative_to(REPO_DIR)) for p in (REPO_DIR / "tests").glob("test_stage*_*.py"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *files],
                           cwd=REPO_DIR, capture_output=True, text=True)
     return Counter(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line)
 
@@ -157,7 +157,8 @@ def collected() -> dict[str, int]:
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_the_exercise_page_counts_its_tests(stage, collected):
     page = (PAGES / f"stage{stage}.md").read_text()
-    counted = re.search(r"`(tests/test_stage\d+_\w+\.py)` \((\d+) tests(?: on a CPU, (\d+) more on a CUDA device)?\)", page)
+    counted = re.search(r"`(tests/test_stage\d+_\w+\.py)` \((\d+) tests"
+                        r"(?: on a CPU, (\d+) more on a CUDA device)?\)", page)
     assert counted, f"exercise {stage}'s page does not say how many tests it has"
     path, cpu, gpu = counted.group(1), int(counted.group(2)), int(counted.group(3) or 0)
     assert cpu + gpu == collected[path]

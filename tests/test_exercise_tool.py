@@ -317,7 +317,8 @@ def test_a_mutants_patches_go_to_whichever_file_of_its_stage_holds_them():
 def test_a_surviving_mutant_is_reported():
     from minipaged.learn.mutants import Mutant, format_mutants, run_mutants
 
-    harmless = Mutant(1, "an equivalent rewrite", (("return len(self._free_stack)", "return len(self._free_stack) + 0"),))
+    harmless = Mutant(1, "an equivalent rewrite",
+                      (("return len(self._free_stack)", "return len(self._free_stack) + 0"),))
     wrong = Mutant(1, "double free accepted", (("        if self._is_free[block_id]:\n            raise ValueError(",
                                                 "        if False:\n            raise ValueError("),))
     results = run_mutants(catalogue=[harmless, wrong], jobs=1)

@@ -319,7 +319,8 @@ def visible_keys(seq_len: int, num_queries: int) -> list[int]:
     key_cache = torch.zeros(num_blocks, block_size, 1, head_dim)
     value_cache = positions.reshape(num_blocks, block_size, 1, 1).expand(-1, -1, 1, head_dim).contiguous()
     out = paged_attention_ref(torch.ones(num_queries, 1, head_dim), key_cache, value_cache,
-                              torch.arange(num_blocks, dtype=torch.int32)[None], torch.tensor([seq_len], dtype=torch.int32),
+                              torch.arange(num_blocks, dtype=torch.int32)[None],
+                              torch.tensor([seq_len], dtype=torch.int32),
                               query_start_loc=torch.tensor([0, num_queries], dtype=torch.int32))
     return [round(2 * m + 1) for m in out[:, 0, 0].tolist()]
 
@@ -648,7 +649,8 @@ def v1_step(scheduler) -> dict:
 
 def test_stage10_page_ends_with_a_self_check_and_an_interview_answer():
     for page, headings in ((PAGE10, ("## Self-check", "## Explain it in an interview")),
-                           (PAGE10.with_name("10_v1_scheduler.zh.md"), ("{#self-check}", "{#explain-it-in-an-interview}"))):
+                           (PAGE10.with_name("10_v1_scheduler.zh.md"),
+                            ("{#self-check}", "{#explain-it-in-an-interview}"))):
         text = page.read_text(encoding="utf-8")
         assert 4 <= len(answers(page)) <= 6 and len(answers(page)) == len(answers(PAGE10)), page.name
         assert text.index(headings[0]) < text.index(headings[1]), page.name

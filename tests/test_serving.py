@@ -92,7 +92,8 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, client):
         assert response.status_code == 400, bad
         error = response.json()["error"]
         assert error["type"] == "BadRequestError" and error["code"] == 400
-    malformed = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    malformed = httpx.post(f"{server}/v1/completions", content=b"{not json",
+                           headers={"content-type": "application/json"})
     assert malformed.status_code == 400 and set(malformed.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="hello", max_tokens=0)

@@ -118,7 +118,8 @@ def test_unknown_model_is_a_404_in_vllms_shape(url):
 
 def test_every_error_body_has_openais_shape(url):
     for response in (httpx.get(f"{url}/nowhere"), httpx.get(f"{url}/v1/completions"),
-                     httpx.post(f"{url}/v1/completions", content=b"[1, 2", headers={"content-type": "application/json"}),
+                     httpx.post(f"{url}/v1/completions", content=b"[1, 2",
+                                headers={"content-type": "application/json"}),
                      post(url, prompt=PROMPT, temperature="hot"), post(url, prompt=[1, "a"]), post(url, prompt=[]),
                      post(url, prompt=[[1], []]), post(url, prompt="")):
         assert response.status_code in (400, 404, 405)

@@ -97,8 +97,10 @@ def _cases(args):
         "seq_len too long": (_bad(args, seq_lens=sl + 64), r"^seq_lens\b"),
         "seq_len zero": (_bad(args, seq_lens=sl * 0), r"^seq_lens\b"),
         "block id": (_bad(args, block_tables=torch.where(bt == bt[0, 0], 999, bt).int()), r"^block_tables\b.*\[999\]"),
-        "negative block id": (_bad(args, block_tables=torch.where(bt == bt[1, 0], -1, bt).int()), r"^block_tables\b.*\[-1\]"),
-        "query_start_loc": (_bad(args, query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), r"^query_start_loc\b"),
+        "negative block id": (_bad(args, block_tables=torch.where(bt == bt[1, 0], -1, bt).int()),
+                              r"^block_tables\b.*\[-1\]"),
+        "query_start_loc": (_bad(args, query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)),
+                            r"^query_start_loc\b"),
         "query_start_loc dtype": (_bad(args, query_start_loc=torch.tensor([0, 1, 2])), r"^query_start_loc\b"),
         "device": (_bad(args, seq_lens=sl.to("meta")), r"^seq_lens\.device\b"),
     }

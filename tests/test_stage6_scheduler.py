@@ -450,7 +450,8 @@ def test_counters_count_the_blocks_swapped_out_and_in():
     scheduler, _ = make(16, "swap", num_cpu_blocks=16, max_model_len=32)
     group = fork_group(scheduler, [1] * 9, width=3)  # 3 blocks, all shared
     preempt(scheduler, group)
-    assert (scheduler.make_stats().num_swapped_out_blocks, scheduler.make_stats().num_swapped_in_blocks) == (3, 0)  # each block once
+    stats = scheduler.make_stats()
+    assert (stats.num_swapped_out_blocks, stats.num_swapped_in_blocks) == (3, 0)  # each block once
     scheduler.schedule()
     assert (scheduler.make_stats().num_swapped_out_blocks, scheduler.make_stats().num_swapped_in_blocks) == (3, 3)
 

@@ -19,7 +19,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 ARCHITECTURES = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE),
     "llama-mha-bias": lambda: transformers.LlamaConfig(**{**COMMON, "num_key_value_heads": 4}, attention_bias=True,
-                                                       mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+                                                       mlp_bias=True,
+                                                       rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**{**COMMON, "num_key_value_heads": 1}, head_dim=32),
@@ -290,5 +291,6 @@ def test_sharded_checkpoints_and_half_precision_load(checkpoints, tmp_path):
     for dtype in ("bfloat16", "float16"):
         llm = LLM(str(tmp_path), num_gpu_blocks=64, block_size=8, dtype=dtype)
         assert llm.cache.key_cache[0].dtype == getattr(torch, dtype)
-        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0),
+                           use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4

@@ -25,7 +25,8 @@ ARCHITECTURES = {
 def checkpoints(tmp_path_factory):
     from minipaged.models import TINY_MODEL_DIR
 
-    made = {"tiny": (TINY_MODEL_DIR, transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval())}
+    tiny = transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+    made = {"tiny": (TINY_MODEL_DIR, tiny)}
     for i, (name, config) in enumerate(ARCHITECTURES.items()):
         torch.manual_seed(10 + i)
         model = transformers.AutoModelForCausalLM.from_config(config()).eval()
@@ -98,7 +99,8 @@ def test_n_samples_equal_n_unshared_requests_seeded_one_apart_in_fewer_blocks(ch
     unshared = UnsharedLLM(str(path), num_gpu_blocks=256, block_size=block_size)
     seeded = [SamplingParams(max_tokens=10, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(n)]
     outs = unshared.generate([prompt] * n, seeded, use_tqdm=False)
-    runs[False] = ([o.outputs[0].token_ids for o in outs], unshared.stats.peak_blocks_used, unshared.stats.prefill_tokens)
+    runs[False] = ([o.outputs[0].token_ids for o in outs], unshared.stats.peak_blocks_used,
+                   unshared.stats.prefill_tokens)
     assert runs[True][0] == runs[False][0]
     tol = tolerances.cumulative_logprob(llm.model_config, prompt_len + 10, 10)
     assert [c.cumulative_logprob for c in out.outputs] == pytest.approx(

@@ -41,7 +41,8 @@ SYSTEM = tokens(0, 70)
 FEW_SHOT = [tokens(1, 45), tokens(2, 90)]
 WORKLOADS = {
     "system-prompt": [[SYSTEM + tokens(10, 5)], [SYSTEM + tokens(i, 3 + i) for i in range(11, 17)]],
-    "few-shot": [[FEW_SHOT[i % 2] + tokens(20 + i, 8) for i in range(4)], [FEW_SHOT[i % 2] + tokens(30 + i, 6) for i in range(6)]],
+    "few-shot": [[FEW_SHOT[i % 2] + tokens(20 + i, 8) for i in range(4)],
+                 [FEW_SHOT[i % 2] + tokens(30 + i, 6) for i in range(6)]],
     "no-sharing": [[tokens(40 + i, 20 + 7 * i) for i in range(5)], [tokens(50 + i, 33) for i in range(5)]],
 }
 
@@ -196,7 +197,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         n = len(toks) - start
         self.cache.write(0, self.manager.slot_mapping([seq_id], [n]), values.view(n, 1, 1), -values.view(n, 1, 1))
 
-    @rule(prefix=st.sampled_from([(1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 7, 7, 7, 7, 7)]), tail=st.lists(st.integers(1, 9), max_size=4))
+    @rule(prefix=st.sampled_from([(1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 7, 7, 7, 7, 7)]),
+          tail=st.lists(st.integers(1, 9), max_size=4))
     def admit(self, prefix, tail):
         self.counter += 1
         toks = list(prefix) + tail

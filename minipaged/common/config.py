@@ -10,14 +10,13 @@ they need from it; none of them reads an argument of ``LLM`` itself.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.models import resolve_dtype
+from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("ref", "triton")
@@ -90,9 +89,9 @@ class EngineConfig:
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device: {e}") from None
 
-    def resolve(self, model_config) -> EngineConfig:
-        """The same configuration with every ``None`` derived from ``model_config`` (a
-        ``ModelConfig``); ``ValueError`` for a length the model cannot serve."""
+    def resolve(self, model_config: ModelConfig) -> ResolvedEngineConfig:
+        """The same configuration with every ``None`` derived from ``model_config``; ``ValueError``
+        for a length the model cannot serve."""
         positions = model_config.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {positions} positions")
@@ -106,9 +105,19 @@ class EngineConfig:
         num_cpu_blocks = self.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_gpu_blocks if self.preemption_mode == "swap" else 0
-        return dataclasses.replace(self, num_gpu_blocks=num_gpu_blocks, max_model_len=max_model_len,
-                                   num_cpu_blocks=num_cpu_blocks)
+        return ResolvedEngineConfig(**{**vars(self), "num_gpu_blocks": num_gpu_blocks, "max_model_len": max_model_len,
+                                       "num_cpu_blocks": num_cpu_blocks})
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class ResolvedEngineConfig(EngineConfig):
+    """An ``EngineConfig`` after ``resolve``: the sizes it derives are numbers (``max_num_batched_tokens``
+    stays None for the scheduler's default)."""
+
+    num_gpu_blocks: int = field(kw_only=True)
+    num_cpu_blocks: int = field(kw_only=True)
+    max_model_len: int = field(kw_only=True)

@@ -32,8 +32,8 @@ def process_row(row: torch.Tensor, prompt_token_ids: Sequence[int], output_token
     row = row.clone()
     vocab = row.numel()
     if len(output_token_ids) < params.min_tokens:
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        banned = [t for t in banned if 0 <= t < vocab]
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        banned = [t for t in held if 0 <= t < vocab]
         if banned:
             row[banned] = float("-inf")
     if params.logit_bias:

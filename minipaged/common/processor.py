@@ -8,16 +8,20 @@ the model's tokenizer and vocabulary; which request ids are in use is the engine
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+
 from minipaged.common.sampling_params import SamplingParams
+
+Prompt = str | dict[str, list[int]]  # a text, or {"prompt_token_ids": [...]}
 
 
 class Processor:
     """Prompts — strings or ``{"prompt_token_ids": [...]}`` — to token ids the model can run."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
 
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """The prompt's text (None when it came as token ids) and its token ids, unchecked."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
@@ -27,8 +31,9 @@ class Processor:
             return prompt, self.tokenizer.encode(prompt).ids
         raise TypeError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def process_inputs(self, prompt, params) -> tuple[str | None, list[int]]:
-        """The prompt's text and token ids; ``ValueError``/``TypeError`` for anything that cannot run."""
+    def process_inputs(self, prompt: Prompt, params: object) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids; ``ValueError``/``TypeError`` for anything that cannot run
+        (``params``: the request's parameters, checked against the model when they are ``SamplingParams``)."""
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty: a request needs at least one token")

@@ -8,6 +8,7 @@ refused before anything runs: nothing a ``SamplingParams`` holds can fail inside
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from minipaged.common.config import check_float, check_int
@@ -121,7 +122,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: Hashable
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]

@@ -12,6 +12,7 @@ import enum
 import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 _seq_ids = itertools.count()
 
@@ -46,17 +47,20 @@ class Sequence:
         self.output_token_ids.append(token_id)
 
 
+SeqT = TypeVar("SeqT", bound=Sequence)  # the kind of sequence a group holds (an engine's, from stage 7 on)
+
+
 @dataclass(eq=False)
-class SequenceGroup:
+class SequenceGroup(Generic[SeqT]):
     """The sequences of one request, scheduled together. ``width``: the most it runs at once."""
 
     request_id: Hashable
-    seqs: list[Sequence]
+    seqs: list[SeqT]
     max_tokens: int  # tokens each sequence may generate
     width: int = 1
     arrival: int = -1  # set by Scheduler.add: the scheduler serves the smallest first
 
-    def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
+    def seqs_with(self, status: SequenceStatus) -> list[SeqT]:
         return [s for s in self.seqs if s.status is status]
 
     def is_finished(self) -> bool:

@@ -129,7 +129,7 @@ def solution_functions(source: str, filename: str = "<source>") -> list[str]:
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                functions.append((child.lineno, child.end_lineno, prefix + child.name))
+                functions.append((child.lineno, child.end_lineno or child.lineno, prefix + child.name))
                 visit(child, f"{prefix}{child.name}.")
             elif isinstance(child, ast.ClassDef):
                 visit(child, f"{prefix}{child.name}.")
@@ -149,12 +149,12 @@ def solution_functions(source: str, filename: str = "<source>") -> list[str]:
 
 def triton_kernel_lines(source: str, filename: str = "<source>") -> set[int]:
     """The line numbers inside functions decorated with ``triton.jit`` (``@triton.jit(...)`` too)."""
-    lines = set()
+    lines: set[int] = set()
     for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.FunctionDef) and any(
                 ast.unparse(d.func if isinstance(d, ast.Call) else d) in ("triton.jit", "jit")
                 for d in node.decorator_list):
-            lines.update(range(node.lineno, node.end_lineno + 1))
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     return lines
 
 
@@ -229,7 +229,7 @@ def workspace_changes(out: Path) -> list[str]:
     list existed counts as changed (nothing proves otherwise).
     """
     lines = (Path(out) / WORKSPACE_MARK).read_text().splitlines()[1:]
-    written = dict(reversed(line.split("  ", 1)) for line in lines if "  " in line)
+    written = {name: digest for digest, name in (line.split("  ", 1) for line in lines if "  " in line)}
     if not written:
         return ["(no list of the files it wrote)"]
     changes = []

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,8 +62,9 @@ CATALOGUE: list[Mutant] = [
                                                "return any(length > size for _, length in self.holes())")),
     m(0, "append returns the slot after", ("return torch.arange(first, first + num_tokens, dtype=torch.int64)",
                                           "return torch.arange(first + 1, first + num_tokens + 1, dtype=torch.int64)")),
-    m(0, "internal counts the reserved slots too", ("internal = sum(s.size - max(s.need, s.num_tokens) for s in self.slabs.values())",
-                                                   "internal = sum(s.size - s.num_tokens for s in self.slabs.values())")),
+    m(0, "internal counts the reserved slots too", (
+        "internal = sum(s.size - max(s.need, s.num_tokens) for s in self.slabs.values())",
+        "internal = sum(s.size - s.num_tokens for s in self.slabs.values())")),
     m(0, "the causal mask is shifted by one", ("scores = scores.masked_fill(k_pos > q_pos, float(\"-inf\"))",
                                               "scores = scores.masked_fill(k_pos >= q_pos, float(\"-inf\"))")),
     m(0, "grouped heads repeat the wrong way", ("k = key.float().repeat_interleave(group, dim=1)",
@@ -74,38 +76,55 @@ CATALOGUE: list[Mutant] = [
     m(0, "a hole as long as the next reservation counts as external", (
         "external = 0 if next_reservation is None else sum(h for h in holes if h < next_reservation)",
         "external = 0 if next_reservation is None else sum(h for h in holes if h <= next_reservation)")),
-    m(0, "allocate skips a hole of exactly the size", ("start = next((s for s, length in holes if length >= size), None)",
-                                                      "start = next((s for s, length in holes if length > size), None)")),
+    m(0, "allocate skips a hole of exactly the size", (
+        "start = next((s for s, length in holes if length >= size), None)",
+        "start = next((s for s, length in holes if length > size), None)")),
     # stage 1: the block allocator
     m(1, "the highest id first", ("self._free_stack = list(range(num_blocks - 1, -1, -1))",
                                   "self._free_stack = list(range(num_blocks))")),
-    m(1, "the lowest free id first, always", ("        self._free_stack.append(block_id)\n",
-                                              "        self._free_stack.append(block_id)\n        self._free_stack.sort(reverse=True)\n")),
-    m(1, "a freed block goes to the bottom of the stack", ("self._free_stack.append(block_id)", "self._free_stack.insert(0, block_id)")),
+    m(1, "the lowest free id first, always", (
+        "        self._free_stack.append(block_id)\n",
+        "        self._free_stack.append(block_id)\n        self._free_stack.sort(reverse=True)\n")),
+    m(1, "a freed block goes to the bottom of the stack", ("self._free_stack.append(block_id)",
+                                                           "self._free_stack.insert(0, block_id)")),
     m(1, "allocate takes one block too few", ("ids = [self._free_stack.pop() for _ in range(num_blocks)]",
                                              "ids = [self._free_stack.pop() for _ in range(num_blocks - 1)]")),
-    m(1, "not all or nothing", ("        if num_blocks > len(self._free_stack):\n            raise OutOfBlocksError(num_blocks, len(self._free_stack))\n",
-                                "")),
-    m(1, "double free accepted", ("        if self._is_free[block_id]:\n            raise ValueError(f\"block {block_id} is already free (double free)\")\n",
-                                  "")),
-    m(1, "the free flag is not set on allocate", ("            self._is_free[block_id] = False\n", "            pass\n")),
+    m(1, "not all or nothing", (
+        "        if num_blocks > len(self._free_stack):\n"
+        "            raise OutOfBlocksError(num_blocks, len(self._free_stack))\n",
+        "")),
+    m(1, "double free accepted", (
+        "        if self._is_free[block_id]:\n"
+        "            raise ValueError(f\"block {block_id} is already free (double free)\")\n",
+        "")),
+    m(1, "the free flag is not set on allocate", ("            self._is_free[block_id] = False\n",
+                                                  "            pass\n")),
     m(1, "free does not set the flag", ("        self._is_free[block_id] = True\n", "")),
-    m(1, "num_free_blocks counts the used", ("return len(self._free_stack)", "return self._num_blocks - len(self._free_stack)")),
+    m(1, "num_free_blocks counts the used", ("return len(self._free_stack)",
+                                             "return self._num_blocks - len(self._free_stack)")),
     # stage 2: block tables
-    m(2, "blocks_needed rounds down", ("return -(-num_tokens // self.block_size)", "return num_tokens // self.block_size")),
-    m(2, "a new block one token too early", ("if table.num_tokens % self.block_size == 0:\n            table.block_ids += self.allocator.allocate(1)",
-                                            "if table.num_tokens % self.block_size == self.block_size - 1:\n            table.block_ids += self.allocator.allocate(1)")),
-    m(2, "slot_of without the bounds check", ("        if not 0 <= position < table.num_tokens:\n            raise IndexError(",
-                                              "        if False:\n            raise IndexError(")),
-    m(2, "slot_of uses the logical block", ("return table.block_ids[position // self.block_size] * self.block_size + position % self.block_size",
-                                           "return position // self.block_size * self.block_size + position % self.block_size")),
-    m(2, "slot mapping of the first tokens", ("slots += [ids[p // size] * size + p % size for p in range(end - n, end)]",
-                                             "slots += [ids[p // size] * size + p % size for p in range(n)]")),
+    m(2, "blocks_needed rounds down", ("return -(-num_tokens // self.block_size)",
+                                       "return num_tokens // self.block_size")),
+    m(2, "a new block one token too early", (
+        "if table.num_tokens % self.block_size == 0:\n"
+        "            table.block_ids += self.allocator.allocate(1)",
+        "if table.num_tokens % self.block_size == self.block_size - 1:\n"
+        "            table.block_ids += self.allocator.allocate(1)")),
+    m(2, "slot_of without the bounds check", (
+        "        if not 0 <= position < table.num_tokens:\n            raise IndexError(",
+        "        if False:\n            raise IndexError(")),
+    m(2, "slot_of uses the logical block", (
+        "return table.block_ids[position // self.block_size] * self.block_size + position % self.block_size",
+        "return position // self.block_size * self.block_size + position % self.block_size")),
+    m(2, "slot mapping of the first tokens", (
+        "slots += [ids[p // size] * size + p % size for p in range(end - n, end)]",
+        "slots += [ids[p // size] * size + p % size for p in range(n)]")),
     m(2, "can_allocate forgets a partial block", ("return self.blocks_needed(num_tokens) <= self.num_free_blocks",
                                                  "return num_tokens // self.block_size <= self.num_free_blocks")),
     m(2, "gather keeps the padding", ("keys = key_cache[ids].flatten(0, 1)[:seq_len]",
                                      "keys = key_cache[ids].flatten(0, 1)[-seq_len:]")),
-    m(2, "blocks_needed adds a block to an exact multiple", ("return -(-num_tokens // self.block_size)", "return num_tokens // self.block_size + 1")),
+    m(2, "blocks_needed adds a block to an exact multiple", ("return -(-num_tokens // self.block_size)",
+                                                             "return num_tokens // self.block_size + 1")),
     m(2, "can_allocate wants a block to spare", ("return self.blocks_needed(num_tokens) <= self.num_free_blocks",
                                                "return self.blocks_needed(num_tokens) < self.num_free_blocks")),
     m(2, "can_append_slot always wants a free block", (
@@ -113,32 +132,46 @@ CATALOGUE: list[Mutant] = [
         "return self.num_free_blocks > 0")),
     m(2, "can_append_slot thinks a full block has room", (
         "return self.table(seq_id).num_tokens % self.block_size != 0 or self.num_free_blocks > 0",
-        "return self.table(seq_id).num_tokens <= len(self.table(seq_id).block_ids) * self.block_size or self.num_free_blocks > 0")),
+        "return self.table(seq_id).num_tokens <= len(self.table(seq_id).block_ids) * self.block_size"
+        " or self.num_free_blocks > 0")),
     m(2, "write skips slot 0", ("keep = slot_mapping >= 0", "keep = slot_mapping > 0")),
-    m(2, "gather misses the last block when it is exactly full", ("num_blocks = -(-seq_len // key_cache.shape[1])",
-                                                                 "num_blocks = max(seq_len - 1, 0) // key_cache.shape[1] + (seq_len % key_cache.shape[1] != 0)")),
+    m(2, "gather misses the last block when it is exactly full", (
+        "num_blocks = -(-seq_len // key_cache.shape[1])",
+        "num_blocks = max(seq_len - 1, 0) // key_cache.shape[1] + (seq_len % key_cache.shape[1] != 0)")),
     # stage 3: reference counts, fork, copy-on-write
-    m(3, "fork forgets incref", ("        for block_id in parent.block_ids:\n            self.allocator.incref(block_id)\n", "")),
-    m(3, "free returns a shared block", ("        if self._ref_counts[block_id] == 0:\n            self.pool.free(block_id)",
-                                         "        self.pool.free(block_id)")),
-    m(3, "no copy-on-write", ("            if self.ref_count(last) > 1:\n                (private,)", "            if False:\n                (private,)")),
-    m(3, "copy-on-write keeps the old reference", ("                self.allocator.free(last)  # drop this sequence's reference to the shared block\n", "")),
-    m(3, "copy queued the wrong way round", ("self.pending_copies.append((last, private))", "self.pending_copies.append((private, last))")),
-    m(3, "a shared last block needs no new block", ("return full or self.ref_count(table.block_ids[-1]) > 1", "return full")),
+    m(3, "fork forgets incref", (
+        "        for block_id in parent.block_ids:\n            self.allocator.incref(block_id)\n",
+        "")),
+    m(3, "free returns a shared block", (
+        "        if self._ref_counts[block_id] == 0:\n            self.pool.free(block_id)",
+        "        self.pool.free(block_id)")),
+    m(3, "no copy-on-write", ("            if self.ref_count(last) > 1:\n                (private,)",
+                              "            if False:\n                (private,)")),
+    m(3, "copy-on-write keeps the old reference", (
+        "                self.allocator.free(last)  # drop this sequence's reference to the shared block\n",
+        "")),
+    m(3, "copy queued the wrong way round", ("self.pending_copies.append((last, private))",
+                                             "self.pending_copies.append((private, last))")),
+    m(3, "a shared last block needs no new block", ("return full or self.ref_count(table.block_ids[-1]) > 1",
+                                                    "return full")),
     m(3, "copy_blocks copies destination to source", ("cache[dst] = cache[src]", "cache[src] = cache[dst]")),
     m(3, "the child's table is the parent's list", ("child = BlockTable(list(parent.block_ids), parent.num_tokens)",
                                                    "child = BlockTable(parent.block_ids, parent.num_tokens)")),
     m(3, "a full shared last block is copied too", (
-        "        if table.num_tokens % self.block_size != 0:\n            last = table.block_ids[-1]\n            if self.ref_count(last) > 1:",
+        "        if table.num_tokens % self.block_size != 0:\n            last = table.block_ids[-1]\n"
+        "            if self.ref_count(last) > 1:",
         "        if True:\n            last = table.block_ids[-1]\n            if self.ref_count(last) > 1:")),
     # stage 4: the reference attention
-    m(4, "batched decode ignores scale", ("attn_mask=in_use[:, None, None, :], scale=scale,", "attn_mask=in_use[:, None, None, :],")),
+    m(4, "batched decode ignores scale", ("attn_mask=in_use[:, None, None, :], scale=scale,",
+                                          "attn_mask=in_use[:, None, None, :],")),
     m(4, "batched decode sees one slot too many", ("in_use = positions[None, :] < seq_lens[:, None]",
                                                  "in_use = positions[None, :] <= seq_lens[:, None]")),
-    m(4, "wrong GQA head map", ("q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)",
-                                "q = query.float().view(num_seqs, num_heads // num_kv_heads, num_kv_heads, head_dim).transpose(1, 2)")),
-    m(4, "variable length ignores scale", ("out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
-                                          "out[rows] = dense_attention(query[rows], keys, values, causal=True)")),
+    m(4, "wrong GQA head map", (
+        "q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)",
+        "q = query.float().view(num_seqs, num_heads // num_kv_heads, num_kv_heads, head_dim).transpose(1, 2)")),
+    m(4, "variable length ignores scale", (
+        "out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
+        "out[rows] = dense_attention(query[rows], keys, values, causal=True)")),
     m(4, "prefill is not causal", ("out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
                                   "out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=False)")),
     m(4, "single queries keep the wrong tables", ("block_tables[picked],\n", "block_tables[: len(single)],\n")),
@@ -150,59 +183,73 @@ CATALOGUE: list[Mutant] = [
                                           "rows = block * s_kb + (pos // block_size) * s_ks + kv_head * s_kh")),
     m(5, "the prefill mask is strict", ("visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])",
                                        "visible = valid[None, :] & (pos[None, :] < q_pos[:, None])")),
-    m(5, "reduce ignores the partitions' l weights", ("result = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)",
-                                                       "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(l, 0)")),
+    m(5, "reduce ignores the partitions' l weights", (
+        "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)",
+        "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(l, 0)")),
     m(5, "prefill reads the wrong KV head", ("    kv_head = head // GROUP\n", "    kv_head = head % GROUP\n")),
     # stage 6: the scheduler, a mutant per rule
-    m(6, "admission is not first come first served", ("            group = self.waiting[0]\n", "            group = self.waiting[-1]\n"),
+    m(6, "admission is not first come first served",
+      ("            group = self.waiting[0]\n", "            group = self.waiting[-1]\n"),
       ("            self.waiting.pop(0)\n", "            self.waiting.remove(group)\n")),
-    m(6, "the sequence that needs a block preempts itself", ("                victim = self.running[-1]\n", "                victim = group\n")),
-    m(6, "a recompute victim goes to the back of the queue", ("            bisect.insort(self.waiting, group, key=_arrival)",
-                                                               "            self.waiting.append(group)")),
+    m(6, "the sequence that needs a block preempts itself", ("                victim = self.running[-1]\n",
+                                                             "                victim = group\n")),
+    m(6, "a recompute victim goes to the back of the queue", (
+        "            bisect.insort(self.waiting, group, key=_arrival)",
+        "            self.waiting.append(group)")),
     m(6, "admits while something waits in swap", ("while not out.preempted and not self.swapped and self.waiting:",
                                                  "while not out.preempted and self.waiting:")),
     m(6, "admits in a step that preempted", ("while not out.preempted and not self.swapped and self.waiting:",
                                             "while not self.swapped and self.waiting:")),
     m(6, "swaps in in a step that preempted", ("while not out.preempted and self.swapped:", "while self.swapped:")),
-    m(6, "admission ignores the watermark", ("needed + watermark > manager.num_free_blocks", "needed > manager.num_free_blocks")),
+    m(6, "admission ignores the watermark", ("needed + watermark > manager.num_free_blocks",
+                                             "needed > manager.num_free_blocks")),
     m(6, "decodes do not count against the token budget", (
         "budget, num_seqs = self.max_num_batched_tokens - len(out.scheduled), self._num_running_seqs()",
         "budget, num_seqs = self.max_num_batched_tokens, self._num_running_seqs()")),
-    m(6, "swap-in ignores max_num_seqs", ("if (len(seqs) > budget or num_seqs + group.max_num_running_seqs() > self.max_num_seqs\n                    or not",
-                                         "if (len(seqs) > budget\n                    or not")),
-    m(6, "swap-in takes the newest first", ("            group = self.swapped[0]\n", "            group = self.swapped[-1]\n"),
+    m(6, "swap-in ignores max_num_seqs", (
+        "if (len(seqs) > budget or num_seqs + group.max_num_running_seqs() > self.max_num_seqs\n"
+        "                    or not",
+        "if (len(seqs) > budget\n                    or not")),
+    m(6, "swap-in takes the newest first",
+      ("            group = self.swapped[0]\n", "            group = self.swapped[-1]\n"),
       ("            self.swapped.pop(0)\n", "            self.swapped.remove(group)\n")),
     m(6, "no fallback when the CPU pool is full", ('if self.preemption_mode == "swap" and manager.can_swap_out(ids):',
                                                   'if self.preemption_mode == "swap":')),
     m(6, "swap mode always recomputes", ('if self.preemption_mode == "swap" and manager.can_swap_out(ids):',
                                         'if self.preemption_mode == "swap" and False:')),
     m(6, "a recompute victim keeps its computed count", ("                seq.num_computed_tokens = 0\n", "")),
-    m(6, "swap-in forgets the next token's slot", ("            for seq in seqs:\n                manager.append_slot(seq.seq_id)\n            self._run(group, [(s, 1) for s in seqs], out)",
-                                                  "            self._run(group, [(s, 1) for s in seqs], out)")),
-    m(6, "can_swap_in forgets the growing block", ("return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark <= self.num_free_blocks",
-                                                  "return self._distinct_blocks(self.swapped_tables, seq_ids) + watermark <= self.num_free_blocks")),
-    m(6, "shared blocks are swapped once per sequence", ("self._distinct_blocks(self.block_tables, seq_ids) <= self.cpu_allocator.num_free_blocks)",
-                                                        "sum(len(self.block_tables[s].block_ids) for s in seq_ids) <= self.cpu_allocator.num_free_blocks)")),
+    m(6, "swap-in forgets the next token's slot", (
+        "            for seq in seqs:\n                manager.append_slot(seq.seq_id)\n"
+        "            self._run(group, [(s, 1) for s in seqs], out)",
+        "            self._run(group, [(s, 1) for s in seqs], out)")),
+    m(6, "can_swap_in forgets the growing block", (
+        "return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark <= self.num_free_blocks",
+        "return self._distinct_blocks(self.swapped_tables, seq_ids) + watermark <= self.num_free_blocks")),
+    m(6, "shared blocks are swapped once per sequence", (
+        "self._distinct_blocks(self.block_tables, seq_ids) <= self.cpu_allocator.num_free_blocks)",
+        "sum(len(self.block_tables[s].block_ids) for s in seq_ids) <= self.cpu_allocator.num_free_blocks)")),
     m(6, "swap-in ignores the token budget", ("if (len(seqs) > budget or num_seqs", "if (num_seqs")),
-    m(6, "swap-in ignores the watermark", ("or not manager.can_swap_in(ids, watermark)):", "or not manager.can_swap_in(ids)):")),
+    m(6, "swap-in ignores the watermark", ("or not manager.can_swap_in(ids, watermark)):",
+                                           "or not manager.can_swap_in(ids)):")),
     m(6, "swap-ins do not count against the admission budget", (
-        "budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
-        "budget, num_seqs, watermark = budget, num_seqs + group.max_num_running_seqs(), self.watermark_blocks")),
+        "budget, num_seqs = budget - len(seqs), num_seqs + group.max_num_running_seqs()",
+        "budget, num_seqs = budget, num_seqs + group.max_num_running_seqs()")),
     m(6, "swap-ins do not count against max_num_seqs", (
-        "budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
-        "budget, num_seqs, watermark = budget - len(seqs), num_seqs, self.watermark_blocks")),
-    m(6, "the watermark stays off after a swap-in", (
-        "budget, num_seqs, watermark = budget - len(seqs), num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
-        "budget, num_seqs = budget - len(seqs), num_seqs + group.max_num_running_seqs()")),
+        "budget, num_seqs = budget - len(seqs), num_seqs + group.max_num_running_seqs()",
+        "budget, num_seqs = budget - len(seqs), num_seqs")),
+    m(6, "the watermark stays off after a swap-in", ("            watermark = self.watermark_blocks\n", "")),
     m(6, "the watermark stays off after an admission", (
         "num_seqs, watermark = num_seqs + group.max_num_running_seqs(), self.watermark_blocks",
         "num_seqs = num_seqs + group.max_num_running_seqs()")),
-    m(6, "admission wants a block to spare", ("needed + watermark > manager.num_free_blocks", "needed + watermark >= manager.num_free_blocks")),
+    m(6, "admission wants a block to spare", ("needed + watermark > manager.num_free_blocks",
+                                              "needed + watermark >= manager.num_free_blocks")),
     m(6, "can_swap_in: a shared last block needs no new block", (
         "growing = sum(t.num_tokens % self.block_size == 0 or lasts.count(t.block_ids[-1]) > 1 for t in tables)",
         "growing = sum(t.num_tokens % self.block_size == 0 for t in tables)")),
-    m(6, "can_swap_in ignores the watermark", ("seq_ids) + growing + watermark <= self.num_free_blocks", "seq_ids) + growing <= self.num_free_blocks")),
-    m(6, "can_swap_in wants a block to spare", ("seq_ids) + growing + watermark <= self.num_free_blocks", "seq_ids) + growing + watermark < self.num_free_blocks")),
+    m(6, "can_swap_in ignores the watermark", ("seq_ids) + growing + watermark <= self.num_free_blocks",
+                                               "seq_ids) + growing <= self.num_free_blocks")),
+    m(6, "can_swap_in wants a block to spare", ("seq_ids) + growing + watermark <= self.num_free_blocks",
+                                                "seq_ids) + growing + watermark < self.num_free_blocks")),
     m(6, "can_swap_in counts a shared block once per sequence", (
         "return self._distinct_blocks(self.swapped_tables, seq_ids) + growing + watermark",
         "return sum(len(t.block_ids) for t in tables) + growing + watermark")),
@@ -215,21 +262,28 @@ CATALOGUE: list[Mutant] = [
     m(6, "swapped-in blocks are not counted", ("            self._stats.num_swapped_in_blocks += len(pairs)\n", "")),
     # stage 7: the engine
     m(7, "temperature multiplies", ("logits = logits / params.temperature", "logits = logits * params.temperature")),
-    m(7, "top-k keeps one too many", ("kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth",
-                                     "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth - 1")),
-    m(7, "top-p drops the token that crosses it", ("drop = probs.cumsum(-1) - probs >= params.top_p", "drop = probs.cumsum(-1) >= params.top_p")),
+    m(7, "top-k keeps one too many", (
+        "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth",
+        "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth - 1")),
+    m(7, "top-p drops the token that crosses it", ("drop = probs.cumsum(-1) - probs >= params.top_p",
+                                                   "drop = probs.cumsum(-1) >= params.top_p")),
     m(7, "greedy takes the least likely", ("return int(torch.argmax(logits))", "return int(torch.argmin(logits))")),
-    m(7, "positions start at one", ("positions += range(len(seq) - n, len(seq))", "positions += range(len(seq) - n + 1, len(seq) + 1)")),
-    m(7, "logits of the first new token", ("return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()",
-                                          "return self.model.compute_logits(hidden[(ends - torch.tensor(counts)).to(self.device)]).float()")),
+    m(7, "positions start at one", ("positions += range(len(seq) - n, len(seq))",
+                                    "positions += range(len(seq) - n + 1, len(seq) + 1)")),
+    m(7, "logits of the first new token", (
+        "return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()",
+        "return self.model.compute_logits(hidden[(ends - torch.tensor(counts)).to(self.device)]).float()")),
     m(7, "swap-ins are not applied", ("        self.cache.swap_in(out.blocks_to_swap_in)\n", "")),
-    m(7, "sampling ignores the sequence's generator", ("return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
-                                                      "return int(torch.multinomial(probs.cpu(), 1))")),
+    m(7, "sampling ignores the sequence's generator", (
+        "return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
+        "return int(torch.multinomial(probs.cpu(), 1))")),
     m(7, "top-p before top-k", (_TOP_K + _TOP_P, _TOP_P + _TOP_K)),
     m(7, "temperature after the cuts", (_TEMPERATURE + _TOP_K + _TOP_P, _TOP_K + _TOP_P + _TEMPERATURE)),
     m(7, "top-k drops the ties at the k-th value", (
-        "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth, float(\"-inf\"))",
-        "kept = torch.topk(logits, params.top_k).indices\n        logits = torch.full_like(logits, float(\"-inf\")).scatter(0, kept, logits[kept])")),
+        "kth = torch.topk(logits, params.top_k).values[-1]\n"
+        "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))",
+        "kept = torch.topk(logits, params.top_k).indices\n"
+        "        logits = torch.full_like(logits, float(\"-inf\")).scatter(0, kept, logits[kept])")),
     m(7, "top-p keeps every token tied with the one that crosses it", (
         "logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float(\"-inf\"))",
         "logits = logits.masked_fill(logits < sorted_logits[(~drop).sum() - 1], float(\"-inf\"))")),
@@ -237,44 +291,73 @@ CATALOGUE: list[Mutant] = [
         "sorted_logits, order = torch.sort(logits, descending=True)",
         "sorted_logits, order = logits, torch.arange(logits.numel())")),
     # stage 8: forks and beams
-    m(8, "forks do not share blocks", ("        self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)\n",
-                                       "        self.scheduler.block_manager.allocate(child.seq_id, child.token_ids)\n")),
-    m(8, "every sample draws with the first generator", ("draw = sample(logits[0], params, child.generator)", "draw = sample(logits[0], params, parent.generator)")),
-    m(8, "a child forgets the parent's generated tokens", ("        child.output_token_ids = list(parent.output_token_ids)\n", "")),
+    m(8, "forks do not share blocks", (
+        "        self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)\n",
+        "        self.scheduler.block_manager.allocate(child.seq_id, child.token_ids)\n")),
+    m(8, "every sample draws with the first generator", ("draw = sample(logits[0], params, child.generator)",
+                                                         "draw = sample(logits[0], params, parent.generator)")),
+    m(8, "a child forgets the parent's generated tokens", (
+        "        child.output_token_ids = list(parent.output_token_ids)\n",
+        "")),
     m(8, "beam candidates: only width of them", ("min(2 * width, rows.numel())", "min(width, rows.numel())")),
-    m(8, "length penalty on the length before the token", ("request.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
-                                                           "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
-    m(8, "an ending candidate past the width is kept", ("if ends and rank < width and heuristic_ok:", "if ends and heuristic_ok:")),
-    m(8, "forks one sample too few", ("for index in range(1, request.width):", "for index in range(2, request.width):")),
+    m(8, "length penalty on the length before the token", (
+        "request.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
+        "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
+    m(8, "an ending candidate past the width is kept", ("if ends and rank < width and heuristic_ok:",
+                                                        "if ends and heuristic_ok:")),
+    m(8, "forks one sample too few", ("for index in range(1, request.width):",
+                                      "for index in range(2, request.width):")),
     # stage 9: prefix caching
-    m(9, "the hash ignores the parent", ("return hashlib.sha256(parent_hash + array(\"q\", token_ids).tobytes()).digest()",
-                                        "return hashlib.sha256(array(\"q\", token_ids).tobytes()).digest()")),
-    m(9, "LRU evicts the most recently freed", ("block_id, _ = self.evictor.popitem(last=False)", "block_id, _ = self.evictor.popitem(last=True)")),
+    m(9, "the hash ignores the parent", (
+        "return hashlib.sha256(parent_hash + array(\"q\", token_ids).tobytes()).digest()",
+        "return hashlib.sha256(array(\"q\", token_ids).tobytes()).digest()")),
+    m(9, "LRU evicts the most recently freed", ("block_id, _ = self.evictor.popitem(last=False)",
+                                                "block_id, _ = self.evictor.popitem(last=True)")),
     m(9, "an evicted block keeps its hash", ("            del self.cached[self.hash_of.pop(block_id)]\n", "")),
-    m(9, "a cached block is freed at its last reference", ("            self.evictor[block_id] = None  # the most recently used end",
-                                                           "            self.inner.free(block_id)")),
-    m(9, "a hit does not take a reference", ("        else:\n            self.inner.incref(block_id)\n        return block_id", "        return block_id")),
-    m(9, "the block of the last token is looked up too", ("for start in range(0, (len(token_ids) - 1) // size * size, size):",
-                                                          "for start in range(0, len(token_ids) // size * size, size):")),
-    m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break", "            if block_id is None:\n                continue")),
+    m(9, "a cached block is freed at its last reference", (
+        "            self.evictor[block_id] = None  # the most recently used end",
+        "            self.inner.free(block_id)")),
+    m(9, "a hit does not take a reference", (
+        "        else:\n            self.inner.incref(block_id)\n        return block_id",
+        "        return block_id")),
+    m(9, "the block of the last token is looked up too", (
+        "for start in range(0, (len(token_ids) - 1) // size * size, size):",
+        "for start in range(0, len(token_ids) // size * size, size):")),
+    m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break",
+                                           "            if block_id is None:\n                continue")),
     m(9, "hits are not counted", ("        self._stats.hits += 1\n", "")),
     # stage 10: V1's scheduler
-    m(10, "decodes are not charged to the budget", ("            budget -= n\n            i += 1", "            budget -= n if n > 1 else 0\n            i += 1")),
-    m(10, "a running prompt's chunk exceeds the budget", ("n = min(len(seq) - seq.num_computed_tokens, budget)", "n = len(seq) - seq.num_computed_tokens")),
-    m(10, "the last admitted prompt is not cut to the budget", ("n = min(len(seq) - computed, budget)", "n = len(seq) - computed")),
-    m(10, "the oldest running request is preempted", ("victim = self.running.pop()  # the newest", "victim = self.running.pop(0)")),
-    m(10, "a preempted request goes to the back of waiting", ("self.waiting.insert(0, request)", "self.waiting.append(request)")),
-    m(10, "a recomputed request forgets its generated tokens", ("return self.manager.allocate(seq.seq_id, seq.token_ids)",
-                                                              "return self.manager.allocate(seq.seq_id, seq.prompt_token_ids)")),
-    m(10, "a cached prefix is computed again", ("            return self.manager.allocate(seq.seq_id, seq.token_ids)\n",
-                                               "            self.manager.allocate(seq.seq_id, seq.token_ids)\n            return 0\n")),
-    m(10, "a decode is refused the last free block", ("- before > manager.num_free_blocks:", "- before >= manager.num_free_blocks:")),
-    m(10, "admitted past max_num_seqs", ("len(self.running) < self.max_num_seqs", "len(self.running) <= self.max_num_seqs")),
-    m(10, "a prompt's unfinished chunk samples a token", ("done = seq_lens == batch.num_tokens[rows]", "done = seq_lens > 0")),
-    m(10, "a chunk's positions start at 0", ("np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts)", "np.repeat(-(ends - counts), counts)")),
-    m(10, "new blocks overwrite the row's last ones", ("        self.num_blocks[row] += len(cached.new_block_ids)\n", "")),
-    m(10, "the sampled token never reaches the persistent batch", ("        self.num_tokens[row] += len(cached.new_token_ids)\n", "")),
-    m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n", "")),
+    m(10, "decodes are not charged to the budget", ("            budget -= n\n            i += 1",
+                                                    "            budget -= n if n > 1 else 0\n            i += 1")),
+    m(10, "a running prompt's chunk exceeds the budget", ("n = min(len(seq) - seq.num_computed_tokens, budget)",
+                                                          "n = len(seq) - seq.num_computed_tokens")),
+    m(10, "the last admitted prompt is not cut to the budget", ("n = min(len(seq) - computed, budget)",
+                                                                "n = len(seq) - computed")),
+    m(10, "the oldest running request is preempted", ("victim = self.running.pop()  # the newest",
+                                                      "victim = self.running.pop(0)")),
+    m(10, "a preempted request goes to the back of waiting", ("self.waiting.insert(0, request)",
+                                                              "self.waiting.append(request)")),
+    m(10, "a recomputed request forgets its generated tokens", (
+        "return self.manager.allocate(seq.seq_id, seq.token_ids)",
+        "return self.manager.allocate(seq.seq_id, seq.prompt_token_ids)")),
+    m(10, "a cached prefix is computed again", (
+        "            return self.manager.allocate(seq.seq_id, seq.token_ids)\n",
+        "            self.manager.allocate(seq.seq_id, seq.token_ids)\n            return 0\n")),
+    m(10, "a decode is refused the last free block", ("- before > manager.num_free_blocks:",
+                                                      "- before >= manager.num_free_blocks:")),
+    m(10, "admitted past max_num_seqs", ("len(self.running) < self.max_num_seqs",
+                                         "len(self.running) <= self.max_num_seqs")),
+    m(10, "a prompt's unfinished chunk samples a token", ("done = seq_lens == batch.num_tokens[rows]",
+                                                          "done = seq_lens > 0")),
+    m(10, "a chunk's positions start at 0", ("np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts)",
+                                             "np.repeat(-(ends - counts), counts)")),
+    m(10, "new blocks overwrite the row's last ones", ("        self.num_blocks[row] += len(cached.new_block_ids)\n",
+                                                       "")),
+    m(10, "the sampled token never reaches the persistent batch", (
+        "        self.num_tokens[row] += len(cached.new_token_ids)\n",
+        "")),
+    m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n",
+                                                            "")),
 ]
 
 
@@ -342,7 +425,8 @@ def _first_failure(workspace: Path, stage: int) -> str | None:
 
 
 def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None = None,
-                repo_dir: Path = REPO_DIR, progress=None, jobs: int | None = None) -> list[MutantResult]:
+                repo_dir: Path = REPO_DIR, progress: Callable[[MutantResult], None] | None = None,
+                jobs: int | None = None) -> list[MutantResult]:
     """Apply every mutant of ``stages`` to a copy of the package; run its stage's tests until one fails.
 
     ``jobs`` workspaces run side by side (default: one per CPU, at most 2); results keep the
@@ -354,7 +438,7 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
         apply_mutant(stage_sources(mutant.stage, repo_dir / "minipaged"), mutant)
     jobs = max(1, min(jobs or min(os.cpu_count() or 1, 2), len(chosen) or 1))
     with tempfile.TemporaryDirectory() as tmp:
-        free = queue.Queue()
+        free: queue.Queue[Path] = queue.Queue()
         for i in range(jobs):
             free.put(copy_workspace(Path(tmp) / f"ws{i}", repo_dir))
 

@@ -142,6 +142,7 @@ def _definition(path: Path, qualname: str) -> tuple[list[str], int]:
         if node is None:
             raise TypeError(f"{qualname} is not defined in {path}")
         scope = node.body
+    assert node is not None  # a qualified name has at least one part
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     return text.splitlines(keepends=True)[first - 1 : node.end_lineno], first
 
@@ -169,7 +170,10 @@ def show(obj, start: str | None = None, stop: str | None = None) -> Source:
     target = _unwrap(obj)
     try:
         lines, first_line = inspect.getsourcelines(target)
-        path = Path(inspect.getsourcefile(target))
+        source_file = inspect.getsourcefile(target)
+        if source_file is None:
+            raise TypeError("its source file is unknown")
+        path = Path(source_file)
     except (TypeError, OSError) as err:
         raise TypeError(f"cannot show the source of {obj!r}: {err}") from err
     learners = _in_workspace(path, target)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from minipaged.perf.simulate import KINDS, SimulationResult
 from minipaged.stage0_contiguous import ContiguousKVCache
+
+if TYPE_CHECKING:  # named in annotations only: matplotlib is imported when drawing
+    from matplotlib.artist import Artist
 
 COLORS = {
     "token": "#2b8cbe",
@@ -128,9 +133,10 @@ def plot_block_tables(manager, rows: dict | None = None, *, num_blocks: int | No
 
 
 _BOTTOM = -1.7  # the physical row's height in plot_block_tables
-_LABEL_BOX = {"boxstyle": "round,pad=0.18", "facecolor": "white", "edgecolor": "none"}
+_LABEL_BOX: dict[str, Any] = {"boxstyle": "round,pad=0.18", "facecolor": "white", "edgecolor": "none"}
 _RED, _BLUE, _SHARED_FACE = "#d62728", "#08519c", "#bdbdbd"
-_HATCHING = {"hatch": "//", "hatchcolor": "#8c8c8c", "hatch_linewidth": 0.6}  # light: the ids stay legible
+# light hatching, so that the ids stay legible
+_HATCHING: dict[str, Any] = {"hatch": "//", "hatchcolor": "#8c8c8c", "hatch_linewidth": 0.6}
 
 
 def _draw_logical_rows(ax, manager, rows, color, holders, copied, num_blocks) -> None:
@@ -176,7 +182,8 @@ def _draw_physical_row(ax, allocator, num_blocks, color, holders, hashed, copied
                                alpha=0.8, **(_HATCHING if len(owners) > 1 else {})))
         if block_id in hashed or block_id in copied:
             ax.add_patch(Rectangle((block_id, _BOTTOM), 0.9, 0.8, facecolor="none",
-                                   lw=2.5 if block_id in hashed else 2.2, edgecolor=_BLUE if block_id in hashed else _RED))
+                                   lw=2.5 if block_id in hashed else 2.2,
+                                   edgecolor=_BLUE if block_id in hashed else _RED))
         ax.text(block_id + 0.45, _BOTTOM + 0.4, str(block_id), ha="center", va="center", fontsize=10,
                 bbox=_LABEL_BOX if len(owners) > 1 else None)
         if refs and (not free or block_id in hashed):
@@ -585,7 +592,7 @@ def plot_token_budget(outputs: list, budget: int, labels: dict | None = None, ax
     ax.set_ylabel("tokens computed")
     ax.set_xlim(0.4, len(outputs) + 0.6)
     ax.set_ylim(0, budget * 1.25)
-    handles = [Patch(facecolor=color[r], label=str(labels.get(r, r))) for r in ids]
+    handles: list[Artist] = [Patch(facecolor=color[r], label=str(labels.get(r, r))) for r in ids]
     handles += [Patch(facecolor="white", edgecolor="#555555", hatch="///", label="prompt chunk"),
                 plt.Line2D([], [], color="#555555", ls="--", label=f"budget ({budget})")]
     if any(out.preempted_req_ids for out in outputs):

@@ -17,14 +17,14 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from minipaged.models.config import ModelConfig
-from minipaged.models.transformer import AttentionMetadata, build_model
+from minipaged.models.transformer import AttentionMetadata, CausalLM, build_model
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
-__all__ = ["AttentionMetadata", "ModelConfig", "TINY_MODEL_DIR", "load_config", "load_model", "load_tokenizer",
-           "load_eos_token_ids", "resolve_model_path", "resolve_dtype"]
+__all__ = ["AttentionMetadata", "CausalLM", "ModelConfig", "TINY_MODEL_DIR", "load_config", "load_model",
+           "load_tokenizer", "load_eos_token_ids", "resolve_model_path", "resolve_dtype"]
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -84,7 +84,8 @@ def load_config(model: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((resolve_model_path(model) / "config.json").read_text()))
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> tuple[CausalLM, ModelConfig]:
     """The model of a local Hugging Face folder, in eval mode: ``(module, ModelConfig)``."""
     path = resolve_model_path(model)
     config = load_config(path)

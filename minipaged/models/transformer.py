@@ -137,6 +137,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama 2 and 3, Mistral, Qwen2 (bias on q/k/v) and Qwen3 (q/k norms)."""
 
+    inv_freq: torch.Tensor  # the RoPE frequencies, a buffer (not in the state dict)
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
@@ -173,18 +175,32 @@ class Conv1D(nn.Module):
         return torch.addmm(self.bias, x, self.weight)
 
 
+class GPT2Attention(nn.Module):
+    """The projections of GPT-2's attention, under its checkpoint's names: ``c_attn`` (q, k, v) and ``c_proj``."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c_attn = Conv1D(c.hidden_size, 3 * c.hidden_size)
+        self.c_proj = Conv1D(c.hidden_size, c.hidden_size)
+
+
+class GPT2MLP(nn.Module):
+    """GPT-2's MLP weights, under its checkpoint's names: ``c_fc`` and ``c_proj``."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c_fc = Conv1D(c.hidden_size, c.intermediate_size)
+        self.c_proj = Conv1D(c.intermediate_size, c.hidden_size)
+
+
 class GPT2Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
         self.ln_1 = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
         self.ln_2 = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
-        self.attn = nn.Module()
-        self.attn.c_attn = Conv1D(c.hidden_size, 3 * c.hidden_size)
-        self.attn.c_proj = Conv1D(c.hidden_size, c.hidden_size)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = Conv1D(c.hidden_size, c.intermediate_size)
-        self.mlp.c_proj = Conv1D(c.intermediate_size, c.hidden_size)
+        self.attn = GPT2Attention(c)
+        self.mlp = GPT2MLP(c)
         self.act = activation(c.hidden_act)
 
     def forward(self, x, cache, layer, meta):
@@ -195,17 +211,22 @@ class GPT2Block(nn.Module):
         return x + self.mlp.c_proj(self.act(self.mlp.c_fc(self.ln_2(x))))
 
 
+class GPT2Model(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.wpe = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(c) for _ in range(c.num_layers))
+        self.ln_f = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
+
+
 class GPT2LMHeadModel(nn.Module):
     """GPT-2: learned positions, LayerNorm, GELU, tied embeddings."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
-        self.transformer = nn.Module()
-        self.transformer.wte = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.transformer.wpe = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.transformer.h = nn.ModuleList(GPT2Block(c) for _ in range(c.num_layers))
-        self.transformer.ln_f = nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
+        self.transformer = GPT2Model(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
 
@@ -220,5 +241,8 @@ class GPT2LMHeadModel(nn.Module):
         return self.lm_head(hidden)
 
 
-def build_model(c: ModelConfig) -> nn.Module:
+CausalLM = LlamaForCausalLM | GPT2LMHeadModel  # what build_model makes: forward, then compute_logits
+
+
+def build_model(c: ModelConfig) -> CausalLM:
     return GPT2LMHeadModel(c) if c.model_type == "gpt2" else LlamaForCausalLM(c)

@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 TARGETS = {"sm_80": 80, "sm_90": 90}  # A100, H100/H200
 # Per SM: registers, shared memory a block may use, resident threads (CUDA occupancy tables).
@@ -164,7 +165,10 @@ def read_ptxas(ptx: str, arch: int) -> tuple[int, int]:
     info = done.stdout + done.stderr
     if done.returncode:
         raise RuntimeError(f"ptxas failed for sm_{arch}: {info.strip()}")
-    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    found = re.search(r"Used (\d+) registers", info)
+    if found is None:
+        raise RuntimeError(f"ptxas gave no register count for sm_{arch}: {info.strip()}")
+    registers = int(found.group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
     return registers, spills
 
@@ -253,7 +257,8 @@ def report(divisibility: bool = True, processes: int | None = None, **table) -> 
     for worker, request in workers:
         out, err = worker.communicate(request)
         if worker.returncode:
-            raise RuntimeError(f"compiling failed: {err.strip().splitlines()[-1] if err.strip() else worker.returncode}")
+            last = err.strip().splitlines()[-1] if err.strip() else worker.returncode
+            raise RuntimeError(f"compiling failed: {last}")
         rows += [KernelReport(**row) for row in json.loads(out)]
     return rows
 
@@ -273,7 +278,7 @@ def main(targets: list[str], dtypes: list[str], quick: bool = False, json_path: 
     unknown = [t for t in targets if t not in TARGETS] + [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise ValueError(f"unknown target or dtype {unknown}: targets {list(TARGETS)}, dtypes {list(DTYPES)}")
-    table = dict(head_dims=(80, 128), groups=(1, 8), block_sizes=(1, 16)) if quick else {}
+    table: dict[str, Any] = dict(head_dims=(80, 128), groups=(1, 8), block_sizes=(1, 16)) if quick else {}
     try:
         rows = report(divisibility=not no_divisibility, targets=tuple(targets), dtypes=tuple(dtypes), **table)
     except Exception as err:  # a kernel that does not compile for a target

@@ -35,11 +35,15 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from minipaged.common.sampling_params import SEED_RANGE, RequestOutput, SamplingParams
 from minipaged.serving.metrics import Metrics
+
+if TYPE_CHECKING:  # the engine's front end, named in annotations only
+    from minipaged.stage7_engine import LLM
 
 logger = logging.getLogger("minipaged.serving")
 
@@ -81,7 +85,8 @@ class Handle:
 class EngineClient:
     """Stage 7's engine, stepped in the background; requests in, their outputs streamed out."""
 
-    def __init__(self, llm, max_waiting: int = 256, model_name: str = "tiny", stall_timeout: float = 60.0) -> None:
+    def __init__(self, llm: LLM, max_waiting: int = 256, model_name: str = "tiny",
+                 stall_timeout: float = 60.0) -> None:
         self._llm, self._engine, self.max_waiting, self.stall_timeout = llm, llm.engine, max_waiting, stall_timeout
         self.model_name = model_name
         self.metrics = Metrics(model_name)
@@ -92,7 +97,7 @@ class EngineClient:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minipaged-engine")
         self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="minipaged-tokenize")
         self._lock = threading.Lock()  # guards the engine: held by the engine thread, and by the readers below
-        self._handles: dict[str, Handle] = {}  # submitted and not released
+        self._handles: dict[Hashable, Handle] = {}  # submitted and not released, by request id
         self._pending: deque[Handle] = deque()  # submitted, not yet in the engine
         self._suspects: deque[Handle] = deque()  # to replay, each alone
         self._aborts: deque[str] = deque()
@@ -138,6 +143,7 @@ class EngineClient:
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of ``text``, tokenized in a thread of the tokenizing pool (needs a tokenizer)."""
         loop, tokenizer = asyncio.get_running_loop(), self._tokenizer
+        assert tokenizer is not None  # the routes ask has_tokenizer first
         encoding = await loop.run_in_executor(
             self._tokenize_pool, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return encoding.ids
@@ -148,6 +154,7 @@ class EngineClient:
 
     def id_to_token(self, token_id: int) -> str | None:
         """The tokenizer's string for one token id (its vocabulary entry, not its decoded text)."""
+        assert self._tokenizer is not None  # the routes ask has_tokenizer first
         return self._tokenizer.id_to_token(token_id)
 
     # --- requests in
@@ -165,6 +172,7 @@ class EngineClient:
                         asyncio.Queue(), loop.create_future())
         self._handles[handle.request_id] = handle
         self._pending.append(handle)
+        assert self._wakeup is not None  # made by start()
         self._wakeup.set()
         return handle
 
@@ -188,6 +196,7 @@ class EngineClient:
         handle.queue.put_nowait(None)
         if not handle.finished:
             self._aborts.append(handle.request_id)
+            assert self._wakeup is not None  # made by start()
             self._wakeup.set()
         self.metrics.finished(reasons or ["abort"] * handle.params.n, time.monotonic() - handle.arrival)
 
@@ -203,7 +212,7 @@ class EngineClient:
 
     # --- outputs out
 
-    async def stream(self, handle: Handle) -> AsyncIterator[RequestOutput]:
+    async def stream(self, handle: Handle) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as its steps complete, until it finishes; raises its failure."""
         while True:
             item = await handle.queue.get()
@@ -215,7 +224,7 @@ class EngineClient:
             if item.finished:
                 return
 
-    async def stream_all(self, handles: list[Handle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream_all(self, handles: list[Handle]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(index in ``handles``, output) from every handle as they come; raises the first failure."""
         if len(handles) == 1:
             async for output in self.stream(handles[0]):
@@ -223,7 +232,7 @@ class EngineClient:
             return
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i, handle):
+        async def pump(i: int, handle: Handle) -> None:
             try:
                 async for output in self.stream(handle):
                     merged.put_nowait((i, output))
@@ -293,12 +302,13 @@ class EngineClient:
     # --- the event loop
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop, wakeup = asyncio.get_running_loop(), self._wakeup
+        assert wakeup is not None  # made by start(), before the loop
         try:
             while True:
                 if not (self._pending or self._suspects or self._aborts or self._engine.has_unfinished_requests()):
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                    wakeup.clear()
+                    await wakeup.wait()
                 started = self.step_started = time.monotonic()
                 try:
                     admitted, outputs, error, lost = await loop.run_in_executor(self._executor, self._work)
@@ -406,7 +416,7 @@ class EngineClient:
 # --- the live page's data
 
 
-def _tail(llm, token_ids: list[int]) -> str:
+def _tail(llm: LLM, token_ids: list[int]) -> str:
     """The end of a sequence's text; a character cut in half by the token window is dropped."""
     if not token_ids:
         return ""
@@ -419,7 +429,7 @@ def _pool(num_blocks: int, free_blocks: int, owners: dict[int, list[str]]) -> di
             "shared": sorted(b for b, o in owners.items() if len(o) > 1)}
 
 
-def snapshot(llm) -> dict:
+def snapshot(llm: LLM) -> dict:
     """The queues, the GPU block map and the CPU swap pool of ``llm``: who holds which block.
 
     It reads the scheduler and the block manager through their public names and returns
@@ -441,8 +451,8 @@ def snapshot(llm) -> dict:
     * ``stats``: what the engine counted (``LLM.stats``, flat: ``Stats.as_dict()``).
     """
     scheduler, manager = llm.scheduler, llm.scheduler.block_manager
-    owners = {"gpu": {}, "cpu": {}}  # pool -> block -> request id of each sequence holding it
-    queues = {}
+    owners: dict[str, dict[int, list[str]]] = {"gpu": {}, "cpu": {}}  # pool -> block -> ids of its holders
+    queues: dict[str, list[dict[str, Any]]] = {}
     for name in ("waiting", "running", "swapped"):
         queues[name] = []
         for group in getattr(scheduler, name, ()):  # stage 10 has no swapped queue
@@ -456,8 +466,9 @@ def snapshot(llm) -> dict:
                     where, table = "cpu", list(manager.swapped_tables[seq.seq_id].block_ids)
                 else:  # waiting (never run, or preempted by recomputation) or finished: no blocks
                     where, table = None, []
-                for block in table:
-                    owners[where].setdefault(block, []).append(request_id)
+                if where is not None:
+                    for block in table:
+                        owners[where].setdefault(block, []).append(request_id)
                 seqs.append({"seq_id": seq.seq_id, "status": seq.status.value,
                              "tokens": len(seq.output_token_ids), "num_tokens": len(seq), "where": where,
                              "block_table": table, "text": _tail(llm, seq.output_token_ids)})

@@ -114,6 +114,6 @@ class Metrics:
             family.add_metric(name, v[key])
             yield family
         for key, doc in ENGINE_COUNTERS:
-            family = CounterMetricFamily(f"minipaged:{key}", doc, labels=["model_name"])
-            family.add_metric(name, v[key])
-            yield family
+            counter = CounterMetricFamily(f"minipaged:{key}", doc, labels=["model_name"])
+            counter.add_metric(name, v[key])
+            yield counter

@@ -173,12 +173,13 @@ class OpenAIRequest(BaseModel):
         bad_stop = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad_stop:
             raise OpenAIError(f"stop_token_ids outside the vocabulary: {bad_stop[:5]}", 400, "stop_token_ids")
-        fields = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature,
-                  "top_k": -1 if self.top_k in (0, -1) else self.top_k, "top_p": self.top_p, "min_p": self.min_p,
-                  "seed": self.seed, "presence_penalty": self.presence_penalty,
-                  "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                  "logit_bias": bias, "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
-                  "ignore_eos": self.ignore_eos, "logprobs": logprobs}
+        fields: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens, "temperature": self.temperature,
+            "top_k": -1 if self.top_k in (0, -1) else self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+            "seed": self.seed, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "logit_bias": bias, "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos, "logprobs": logprobs}
         try:
             return SamplingParams(**fields)
         except ValueError as err:

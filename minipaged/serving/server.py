@@ -1,7 +1,7 @@
 """``minipaged serve``: check the arguments and the port before the model loads, then run uvicorn.
 
 SIGTERM or SIGINT stop accepting requests, let the running ones go on for ``shutdown_timeout``
-seconds, abort the rest and exit 0 (``_Server``); a connection that has not sent its headers
+seconds, abort the rest and exit 0 (``_server``); a connection that has not sent its headers
 within ``read_timeout`` seconds is closed (``header_timeout_protocol``).
 """
 
@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from minipaged.serving.app import build_app
 from minipaged.serving.engine_client import EngineClient
@@ -22,44 +23,45 @@ from minipaged.serving.middleware import (
 )
 from minipaged.serving.protocol import DEFAULT_MAX_LOGPROBS
 
+if TYPE_CHECKING:  # imported by serve() only, so that the command line starts without it
+    import uvicorn
+
 logger = logging.getLogger("minipaged.serving")
 
 
-class _Server:
+def _server(config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> uvicorn.Server:
     """uvicorn's server with the shutdown of ``minipaged serve``: on SIGTERM or SIGINT, stop
     accepting, abort what still runs after ``shutdown_timeout`` seconds (a second signal: now),
     one log line per signal, and return normally (exit status 0)."""
+    import uvicorn
 
-    def __new__(cls, config, engine: EngineClient, shutdown_timeout: float):
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextmanager
-            def capture_signals(self):
-                loop = asyncio.get_running_loop()
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.on_signal, sig)
+            try:
+                yield
+            finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, self.on_signal, sig)
-                try:
-                    yield
-                finally:
-                    for sig in (signal.SIGINT, signal.SIGTERM):
-                        loop.remove_signal_handler(sig)
+                    loop.remove_signal_handler(sig)
 
-            def on_signal(self, sig):
-                name, in_flight = signal.Signals(sig).name, engine.num_in_flight
-                engine.shutting_down = True
-                if not self.should_exit:
-                    logger.warning("%s: shutting down; %d requests in flight%s", name, in_flight,
-                                   f", aborted after {shutdown_timeout:g} s" if in_flight and shutdown_timeout
-                                   else (", aborted now" if in_flight else ""))
-                    self.should_exit = True
-                    asyncio.get_running_loop().call_later(shutdown_timeout, engine.abort_all,
-                                                          "the server is shutting down")
-                else:
-                    logger.warning("%s again: aborting %d requests now", name, in_flight)
-                    engine.abort_all("the server is shutting down")
+        def on_signal(self, sig):
+            name, in_flight = signal.Signals(sig).name, engine.num_in_flight
+            engine.shutting_down = True
+            if not self.should_exit:
+                logger.warning("%s: shutting down; %d requests in flight%s", name, in_flight,
+                               f", aborted after {shutdown_timeout:g} s" if in_flight and shutdown_timeout
+                               else (", aborted now" if in_flight else ""))
+                self.should_exit = True
+                asyncio.get_running_loop().call_later(shutdown_timeout, engine.abort_all,
+                                                      "the server is shutting down")
+            else:
+                logger.warning("%s again: aborting %d requests now", name, in_flight)
+                engine.abort_all("the server is shutting down")
 
-        return Server(config)
+    return Server(config)
 
 
 def header_timeout_protocol(timeout: float):
@@ -133,9 +135,11 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
         name = served_model_name or model
         app = build_app(llm, name, max_waiting, api_key=api_key, max_logprobs=max_logprobs,
                         max_body_bytes=max_body_bytes, read_timeout=read_timeout, model_path=model)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 5,
+        # uvicorn annotates timeout_graceful_shutdown as an int; it is asyncio.wait_for's timeout, any number
+        config = uvicorn.Config(app, log_level="warning",
+                                timeout_graceful_shutdown=shutdown_timeout + 5,  # type: ignore[arg-type]
                                 timeout_keep_alive=5, http=header_timeout_protocol(read_timeout))
-        server = _Server(config, app.state.engine, shutdown_timeout)
+        server = _server(config, app.state.engine, shutdown_timeout)
         sock.listen(128)
         print(f"minipaged serve: {name} on http://{host if ':' not in host else f'[{host}]'}:"
               f"{sock.getsockname()[1]} ({torch.get_num_threads()} torch threads)", flush=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 from fastapi import Request
@@ -42,8 +42,8 @@ class Run:
         self.client, self.handles, self.n, self.logprobs = client, handles, n, logprobs
         self.texts = [ChoiceText(client.decode, stops, include_stop, h.params.min_tokens)
                       for h in handles for _ in range(n)]
-        self.tokens = [[] for _ in self.texts]
-        self.token_logprobs = [[] for _ in self.texts]
+        self.tokens: list[list[int]] = [[] for _ in self.texts]
+        self.token_logprobs: list[list[dict[int, float]]] = [[] for _ in self.texts]
         self.sent = [0] * len(self.texts)  # characters streamed
         self.sent_tokens = [0] * len(self.texts)  # tokens whose logprobs were streamed
 
@@ -83,7 +83,7 @@ class Run:
         for handle in self.handles:
             self.client.release(handle, [reason] * handle.params.n if reason else None)
 
-    def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, output) from every prompt's engine request as they come."""
         return self.client.stream_all(self.handles)
 

@@ -34,6 +34,7 @@ async def tokenize(body: TokenizeRequest, serving: Annotated[OpenAIServing, Depe
         text = serving.render_chat(body.messages, body.add_generation_prompt, None)
         ids = await serving.encode(text, bool(body.add_special_tokens), "messages")
     else:
+        assert body.prompt is not None  # one of the two, checked above
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await serving.encode(body.prompt, special, "prompt")
     client = serving.client
