@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from minipaged import stage9_prefix_caching
-from minipaged.common.config import ResolvedEngineConfig, check_int
+from minipaged.common.checks import check_int
+from minipaged.common.config import ResolvedEngineConfig
 from minipaged.common.processor import Prompt
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import Sequence, SequenceStatus
@@ -141,7 +142,8 @@ class V1Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Its queues now and its counters since it started (it never swaps)."""
         manager = self.block_manager
-        return dataclasses.replace(self._stats, num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+        running = sum(not r.is_finished() for r in self.running)  # finished ones leave at the next step
+        return dataclasses.replace(self._stats, num_running_reqs=running, num_waiting_reqs=len(self.waiting),
                                    num_used_blocks=manager.num_total_blocks - manager.num_free_blocks)
 
     def finish(self, seq: Sequence) -> None:

@@ -20,6 +20,8 @@ allocator that passes this stage's tests works under all of them.
 
 from __future__ import annotations
 
+from minipaged.common.checks import check_int
+
 
 class OutOfBlocksError(RuntimeError):
     """Fewer blocks are free than were asked for; nothing was allocated.
@@ -42,8 +44,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 1)
         # BEGIN SOLUTION build the free stack (lowest id on top) and the free flags
         self._num_blocks = num_blocks
         self._free_stack = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first

@@ -34,6 +34,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from minipaged.common.checks import check_int
 from minipaged.stage0_contiguous import CacheUsage
 from minipaged.stage1_block_allocator import OutOfBlocksError
 
@@ -69,8 +70,7 @@ class BlockSpaceManager:
     """
 
     def __init__(self, allocator: Allocator, block_size: int = 16) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        check_int("block_size", block_size, 1)
         self.allocator, self.block_size = allocator, block_size
         self.block_tables: dict[Hashable, BlockTable] = {}
 

@@ -37,7 +37,8 @@ import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from minipaged.common.config import PREEMPTION_MODES, check_choice
+from minipaged.common.checks import check_choice
+from minipaged.common.config import PREEMPTION_MODES
 from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.common.stats import SchedulerStats
 from minipaged.stage6_swapping import SwapBlockSpaceManager
@@ -117,7 +118,8 @@ class Scheduler:
         """Its queues now, and its counters since it started: preemptions, blocks swapped out and
         in (one per block moved), the most blocks ever in use at the end of a step."""
         manager = self.block_manager
-        return dataclasses.replace(self._stats, num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+        running = sum(not g.is_finished() for g in self.running)  # finished ones leave at the next step
+        return dataclasses.replace(self._stats, num_running_reqs=running, num_waiting_reqs=len(self.waiting),
                                    num_swapped_reqs=len(self.swapped),
                                    num_used_blocks=manager.num_total_blocks - manager.num_free_blocks)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minipaged import stage7_engine
-from minipaged.common.config import check_int
+from minipaged.common.checks import check_int
 from minipaged.common.processor import Prompt
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import SequenceStatus

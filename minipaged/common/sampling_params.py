@@ -11,7 +11,7 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from minipaged.common.config import check_float, check_int
+from minipaged.common.checks import check_float, check_int
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (SAMPLING_EPS, this) is raised to this
