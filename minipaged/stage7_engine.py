@@ -256,8 +256,11 @@ class LLM:
     def build_block_manager(self) -> SwapBlockSpaceManager:
         """The block manager the scheduler and the runner share, with a CPU pool for swapping."""
         c = self.config
-        cpu_allocator = RefCountedBlockAllocator(c.num_cpu_blocks) if c.num_cpu_blocks else None
-        return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, cpu_allocator)
+        return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, self.build_cpu_pool())
+
+    def build_cpu_pool(self) -> RefCountedBlockAllocator | None:
+        """The CPU blocks that preempted sequences swap out to; None without swap space."""
+        return RefCountedBlockAllocator(self.config.num_cpu_blocks) if self.config.num_cpu_blocks else None
 
     def build_scheduler(self, block_manager: SwapBlockSpaceManager) -> Scheduler:
         c = self.config

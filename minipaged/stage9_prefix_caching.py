@@ -211,8 +211,8 @@ class LLM(stage8_sharing.LLM):
         c = self.config
         if not c.enable_prefix_caching:
             return super().build_block_manager()
-        cpu_allocator = RefCountedBlockAllocator(c.num_cpu_blocks) if c.num_cpu_blocks else None
-        return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size, cpu_allocator)
+        return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size,
+                                              self.build_cpu_pool())
 
     @property
     def stats(self) -> Stats:

@@ -391,13 +391,12 @@ class EngineClient:
 
     def stats(self) -> dict:
         """The engine's gauges and counters for the metrics (``minipaged.serving.metrics``), under its lock."""
-        with self._lock:
-            s, counted = snapshot(self._llm), self._llm.stats
-            block_size, cache = self._llm.scheduler.block_manager.block_size, counted.prefix_cache
-            used = s["num_blocks"] - s["free_blocks"]
-            return {"num_requests_running": len(s["running"]), "num_requests_waiting": len(s["waiting"]),
-                    "num_requests_swapped": len(s["swapped"]), "kv_cache_usage_perc": used / s["num_blocks"],
-                    "kv_cache_blocks_used": used, "kv_cache_blocks_total": s["num_blocks"],
+        with self._lock:  # the components' statistics objects, not the live page's block map
+            counted, block_size = self._llm.stats, self._llm.scheduler.block_manager.block_size
+            sched, cache = counted.scheduler, counted.prefix_cache
+            return {"num_requests_running": sched.num_running_reqs, "num_requests_waiting": sched.num_waiting_reqs,
+                    "num_requests_swapped": sched.num_swapped_reqs, "kv_cache_usage_perc": sched.kv_cache_usage,
+                    "kv_cache_blocks_used": sched.num_used_blocks, "kv_cache_blocks_total": sched.num_gpu_blocks,
                     "num_preemptions": counted.num_preemptions,
                     "prefix_cache_queries": cache.queries * block_size,  # in tokens: full blocks looked up
                     "prefix_cache_hits": cache.hits * block_size}
