@@ -36,8 +36,6 @@ import dataclasses
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-import torch
-
 from minipaged import stage9_prefix_caching
 from minipaged.common.checks import check_int
 from minipaged.common.config import ResolvedEngineConfig
@@ -55,6 +53,12 @@ from minipaged.stage10_model_runner import (
     SchedulerOutput,
     V1ModelRunner,
 )
+
+
+def tokens_after(seq: Sequence, start: int) -> list[int]:
+    """``seq.token_ids[start:]``, without copying the prompt when ``start`` is past it."""
+    prompt = len(seq.prompt_token_ids)
+    return seq.output_token_ids[start - prompt:] if start >= prompt else seq.token_ids[start:]
 
 
 class KVCacheManager:
@@ -119,6 +123,7 @@ class V1Scheduler:
         self.running: list[Request] = []  # in the order they were admitted: the oldest first
         self.finished_req_ids: list[Hashable] = []  # for the runner, at the next step
         self.num_tokens_sent: dict[Hashable, int] = {}  # tokens of each request the runner holds
+        self.admitted_len: dict[Hashable, int] = {}  # each running request's length when it was (re)admitted
         self._stats = SchedulerStats(num_gpu_blocks=self.block_manager.num_total_blocks)
 
     def add(self, request: Request) -> None:
@@ -147,15 +152,20 @@ class V1Scheduler:
                                    num_used_blocks=manager.num_total_blocks - manager.num_free_blocks)
 
     def finish(self, seq: Sequence) -> None:
-        """A running sequence is done: its blocks go back, and the runner drops its row next step."""
-        self.kv_cache_manager.free(seq)
+        """A sequence is done: its blocks go back, and the runner drops its row next step. (With async
+        scheduling, a sequence preempted while its last step ran finishes from ``waiting``.)"""
+        request = self.request_of(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.kv_cache_manager.free(seq)
+        else:
+            self.waiting.remove(request)
         seq.status = SequenceStatus.FINISHED
-        request_id = self.request_of(seq).request_id
-        self.finished_req_ids.append(request_id)
-        self.num_tokens_sent.pop(request_id, None)
+        self.finished_req_ids.append(request.request_id)
+        self.num_tokens_sent.pop(request.request_id, None)
+        self.admitted_len.pop(request.request_id, None)
 
     def request_of(self, seq: Sequence) -> Request:
-        return next(r for r in self.running if r.seqs[0] is seq)
+        return next(r for r in (*self.running, *self.waiting) if r.seqs[0] is seq)
 
     def abort(self, request_id: Hashable) -> bool:
         for queue in (self.waiting, self.running):
@@ -168,6 +178,7 @@ class V1Scheduler:
                     seq.status = SequenceStatus.FINISHED
                     self.finished_req_ids.append(request_id)
                     self.num_tokens_sent.pop(request_id, None)
+                    self.admitted_len.pop(request_id, None)
                     return True
         return False
 
@@ -212,7 +223,10 @@ class V1Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             seq = request.seqs[0]
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            n = self.num_new_tokens(request, budget)
+            if n == 0:  # its next token, sampled by the step in flight, cannot be scheduled yet
+                i += 1
+                continue
             while (new_blocks := kv.allocate_slots(seq, n)) is None:
                 victim = self.running.pop()  # the newest
                 self.preempt(victim, out)
@@ -221,7 +235,7 @@ class V1Scheduler:
             if new_blocks is None:
                 break  # it preempted itself: every older request is scheduled
             out.scheduled_cached_reqs.append(CachedRequestData(
-                request.request_id, seq.token_ids[self.num_tokens_sent[request.request_id]:], new_blocks))
+                request.request_id, tokens_after(seq, self.num_tokens_sent[request.request_id]), new_blocks))
             self.add_to_step(request, n, out)
             budget -= n
             i += 1
@@ -233,6 +247,7 @@ class V1Scheduler:
                 break
             self.waiting.pop(0)
             self.running.append(request)
+            self.admitted_len[request.request_id] = len(seq)
             seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, computed
             n = min(len(seq) - computed, budget)
             out.scheduled_new_reqs.append(NewRequestData(
@@ -242,9 +257,40 @@ class V1Scheduler:
         for request in out.scheduled:
             request.seqs[0].num_computed_tokens += out.num_scheduled_tokens[request.request_id]
         # END SOLUTION
+        if not out.scheduled:  # no step runs: the runner hears of these rows at the next one that does
+            self.finished_req_ids = out.finished_req_ids + out.preempted_req_ids + self.finished_req_ids
         used = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
         self._stats.peak_blocks_used = max(self._stats.peak_blocks_used, used)
         return out
+
+    def num_new_tokens(self, request: Request, budget: int) -> int:
+        """The tokens a running request computes this step: those not computed yet, at most ``budget``.
+
+        Only with async scheduling are all of a running request's tokens computed: the step in
+        flight samples its next one. That token is scheduled now, as a placeholder (its id reaches
+        the runner before this step runs: ``add_sampled_tokens``), unless it is the request's last
+        (``max_tokens``, ``max_model_len``) or its first since it was admitted: its first decode
+        makes its prompt's blocks findable (stage 9), and they must not be before the step in
+        flight has surely written their K/V.
+        """
+        seq = request.seqs[0]
+        # BEGIN SOLUTION what is not computed yet, cut to the budget
+        if seq.num_computed_tokens < len(seq):
+            return min(len(seq) - seq.num_computed_tokens, budget)
+        # END SOLUTION
+        last = len(seq.output_token_ids) + 1 >= request.max_tokens or len(seq) + 1 >= self.max_model_len
+        return 0 if last or len(seq) == self.admitted_len[request.request_id] else 1
+
+    def add_sampled_tokens(self, out: SchedulerOutput) -> None:
+        """Async scheduling: the tokens sampled since ``out`` was scheduled, added to its messages for
+        the runner (``CachedRequestData.new_token_ids``) before it runs."""
+        requests = {r.request_id: r for r in out.scheduled}
+        for cached in out.scheduled_cached_reqs:
+            sent = self.num_tokens_sent.get(cached.req_id)
+            if sent is not None:  # not finished since
+                seq = requests[cached.req_id].seqs[0]
+                cached.new_token_ids += tokens_after(seq, sent)
+                self.num_tokens_sent[cached.req_id] = len(seq)
 
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = n
@@ -274,10 +320,9 @@ class V1Engine(LLMEngine):
         req_ids, logits = self.runner.execute_model(out)
         requests = [self.requests[r] for r in req_ids]
         seqs = [r.seqs[0] for r in requests]
-        tokens, logprobs = self.sampler(logits, seqs, [r.params for r in requests])
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+        sampled = self.sampler(logits, seqs, [r.params for r in requests])
         for i, request in enumerate(requests):
-            self.append_token(request, seqs[i], tokens[i], chosen[i], logprobs[i])
+            self.append_token(request, seqs[i], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
         self.last_scheduler_output = out  # kept for pictures of the steps
         return requests
 
@@ -293,14 +338,19 @@ class V1Engine(LLMEngine):
 
 
 class LLM(stage9_prefix_caching.LLM):
-    """The engine of stage 9 with V1's scheduling: ``LLM(max_num_batched_tokens=...)``, any budget >= 1."""
+    """The engine of stage 9 with V1's scheduling: ``LLM(max_num_batched_tokens=...)``, any budget >= 1;
+    ``async_scheduling=True`` schedules each step while the one before runs."""
 
     engine_class = V1Engine
 
     def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, **kwargs: Any) -> None:
+                 enable_prefix_caching: bool = True, async_scheduling: bool = False, **kwargs: Any) -> None:
+        if async_scheduling is True:  # step N + 1 scheduled while step N runs (stage10_async_scheduling)
+            from minipaged.stage10_async_scheduling import AsyncV1Engine
+
+            self.engine_class = AsyncV1Engine
         super().__init__(model, max_num_batched_tokens=max_num_batched_tokens,
-                         enable_prefix_caching=enable_prefix_caching, **kwargs)
+                         enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling, **kwargs)
 
     def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
         if config.preemption_mode != "recompute" or not config.enable_prefix_caching:

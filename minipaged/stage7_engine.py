@@ -32,7 +32,9 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from minipaged.common.config import EngineConfig, ResolvedEngineConfig
+from minipaged.common.detokenizer import IncrementalDetokenizer
 from minipaged.common.processor import Processor, Prompt
+from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import (
     CompletionOutput,
     RequestOutput,
@@ -52,7 +54,7 @@ from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
-from minipaged.stage7_model_runner import ModelRunner, Runner, Sampler
+from minipaged.stage7_model_runner import ModelRunner, Runner
 
 
 @dataclass(eq=False)
@@ -65,7 +67,8 @@ class SampledSequence(Sequence):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text: str | None = None  # the output text, once a stop string has cut it
-    num_text_chars: int = 0  # with stop strings: the decoded output's length at the last step
+    detokenizer: IncrementalDetokenizer | None = None  # with stop strings: the output's text, token by token
+    text_tail: str = ""  # with stop strings: the text's last characters, where a stop string may have begun
 
 
 @dataclass(eq=False)
@@ -161,13 +164,12 @@ class LLMEngine:
         sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in groups]
         params = [g.params for g, k in zip(groups, sizes, strict=True) for _ in range(k)]
         logits = self.runner.execute(out)
-        tokens, logprobs = self.sampler(logits, seqs, params)
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+        sampled = self.sampler(logits, seqs, params)
         start = 0
         for group, k in zip(groups, sizes, strict=True):
-            rows = range(start, start + k)
-            self.process_outputs(group, [seqs[i] for i in rows], [tokens[i] for i in rows],
-                                 [chosen[i] for i in rows], logprobs[start:start + k], logits[start:start + k])
+            rows = slice(start, start + k)
+            self.process_outputs(group, seqs[rows], sampled.token_ids[rows], sampled.logprobs[rows],
+                                 sampled.top_logprobs[rows], logits[rows])
             start += k
         return groups
 
@@ -182,27 +184,42 @@ class LLMEngine:
         return prefill, sum(1 for _, n in out.scheduled if n == 1), usage.token, usage.token + usage.internal
 
     def process_outputs(self, request: Request, seqs: list[SampledSequence], tokens: list[int],
-                        chosen: list[float], logprobs: torch.Tensor, logits: torch.Tensor) -> None:
-        """Append each sampled token to its sequence; finish the sequences that stop."""
-        for seq, token, logprob, row in zip(seqs, tokens, chosen, logprobs, strict=True):
-            self.append_token(request, seq, token, logprob, row)
+                        chosen: list[float], top: list[dict[int, float] | None], logits: torch.Tensor) -> None:
+        """Append each sampled token to its sequence; finish the sequences that stop. ``logits``: the
+        group's rows, as the sampler processed them (penalties applied; no temperature)."""
+        for seq, token, logprob, top_logprobs in zip(seqs, tokens, chosen, top, strict=True):
+            self.append_token(request, seq, token, logprob, top_logprobs)
 
     def append_token(self, request: Request, seq: SampledSequence, token: int, logprob: float,
-                     logprobs: torch.Tensor) -> None:
-        params = request.params
+                     top_logprobs: dict[int, float] | None) -> None:
+        """Append a sampled token to its sequence, then finish the sequence if it stops."""
+        self.record_token(request, seq, token, logprob, top_logprobs)
+        self.check_stop(request, seq, token)
+
+    def record_token(self, request: Request, seq: SampledSequence, token: int, logprob: float,
+                     top_logprobs: dict[int, float] | None) -> None:
+        """The token, its log-probability and (if asked for) the top ones, appended to the sequence."""
         seq.append_token(token)
         seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
-            top = torch.topk(logprobs, params.logprobs)
-            seq.logprobs.append({**dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)), token: logprob})
+        if request.params.logprobs is not None and top_logprobs is not None:
+            seq.logprobs.append(top_logprobs)
+
+    def check_stop(self, request: Request, seq: SampledSequence, token: int) -> None:
+        """Finish the sequence if its last token ``token`` ends it: a stop token or end token, a stop
+        string in the text it added, ``max_tokens`` or ``max_model_len``."""
+        params = request.params
         seq.stop_reason = token if token in params.stop_token_ids else None
         stop = seq.stop_reason is not None or (not params.ignore_eos and token in self.eos_token_ids)
-        if not stop and params.stop:  # found in the decoded text, in what this token added (vLLM's rule)
-            text, checked = self.text(seq.output_token_ids), seq.num_text_chars
-            seq.num_text_chars = len(text)
-            found = find_stop_string(text, params.stop, params.include_stop_str_in_output, checked)
+        if not stop and params.stop and self.tokenizer:  # in the text this token added (vLLM's rule)
+            if seq.detokenizer is None:  # incremental: O(1) per token, not a decode of the whole output
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            delta = seq.detokenizer.add([token])
+            tail = seq.text_tail + delta  # the new text, and the characters before it a stop string may begin in
+            found = find_stop_string(tail, params.stop, params.include_stop_str_in_output, len(seq.text_tail))
             if found and len(seq.output_token_ids) >= params.min_tokens:
-                (seq.text, seq.stop_reason), stop = found, True
+                text = seq.detokenizer.text
+                seq.text, seq.stop_reason, stop = text[:len(text) - len(tail) + len(found[0])], found[1], True
+            seq.text_tail = tail[len(tail) - max(map(len, params.stop)) + 1:]
         if stop or len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.scheduler.max_model_len:
             seq.finish_reason = "stop" if stop else "length"
             self.scheduler.finish(seq)
@@ -250,7 +267,9 @@ class LLM:
         self._request_ids = itertools.count()
 
     def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
-        """What this stage's engine cannot serve, refused before anything is built (none here)."""
+        """What this stage's engine cannot serve, refused before anything is built."""
+        if config.async_scheduling:
+            raise ValueError("async_scheduling is stage 10's: this engine schedules a step after the last one ends")
         return config
 
     def build_block_manager(self) -> SwapBlockSpaceManager:

@@ -6,31 +6,31 @@
   block tables from the block manager, and runs the model, whose attention layers write
   K/V through ``PagedKVCache.write`` and read through the block tables (stage 4's
   reference or stage 5's Triton kernels, ``attention_backend``).
-* ``Sampler`` — logits to tokens, each sequence with its own parameters and generator:
+* ``process_logits`` and ``sample`` — sampling defined, one row of logits at a time:
   ``temperature == 0`` is greedy (argmax); otherwise logits are divided by the temperature,
   cut to the ``top_k`` most likely tokens and to the smallest set whose probability
   reaches ``top_p``, and a token is drawn with the sequence's own seeded generator, so a
   seeded request gives the same text every time.
 
-The engine (``stage7_engine``) calls both once a step: the runner on the scheduler's output,
-the sampler on the logits of every scheduled sequence.
+The engine (``stage7_engine``) calls the runner once a step, then ``Sampler``
+(``minipaged.common.sampler``), which does what ``sample`` defines for the whole batch at
+once, each row with its own parameters and generator, and is tested equal to it row by row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from minipaged.common.logits_processors import apply_logits_processors
+from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, CausalLM
 from minipaged.stage6_scheduler import SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
-if TYPE_CHECKING:  # the engine's sequences, named in annotations only
-    from minipaged.stage7_engine import SampledSequence
+__all__ = ["ModelRunner", "Runner", "Sampler", "process_logits", "sample"]  # Sampler: the batched one, re-exported
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -67,26 +67,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = torch.softmax(process_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
     # END SOLUTION
-
-
-class Sampler:
-    """Logits ``(num_seqs, vocab)`` to one token per sequence, and the log-probabilities of all.
-
-    First the rows whose params ask for penalties, ``logit_bias``, ``min_tokens`` or ``min_p``
-    are processed in place (``minipaged.common.logits_processors``; ``eos_token_ids`` are the tokens
-    ``min_tokens`` holds back)."""
-
-    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
-        self.eos_token_ids = frozenset(eos_token_ids)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[SampledSequence],
-                 params: list[SamplingParams]) -> tuple[list[int], torch.Tensor]:
-        apply_logits_processors(logits, seqs, params, self.eos_token_ids)
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows in one go; the others are drawn
-        for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-            if p.temperature > 0:
-                tokens[i] = sample(logits[i], p, seq.generator)
-        return tokens, torch.log_softmax(logits, dim=-1)
 
 
 class Runner(Protocol):

@@ -32,6 +32,7 @@ import torch
 from minipaged import stage7_engine
 from minipaged.common.checks import check_int
 from minipaged.common.processor import Prompt
+from minipaged.common.sampler import compute_logprobs
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import SequenceStatus
 from minipaged.stage7_engine import LLMEngine, Request, SampledSequence
@@ -116,22 +117,23 @@ class SharingEngine(LLMEngine):
         # END SOLUTION
 
     def process_outputs(self, request: Request, seqs: list[SampledSequence], tokens: list[int],
-                        chosen: list[float], logprobs: torch.Tensor, logits: torch.Tensor) -> None:
+                        chosen: list[float], top: list[dict[int, float] | None], logits: torch.Tensor) -> None:
         """As stage 7, after one rule: when a request of ``n`` samples has prefilled its prompt (one
         sequence so far), fork ``n - 1`` samples first — sample ``i`` seeded ``seed + i`` draws its first
         token from the same logits, greedy samples take the same token — then append every token.
         A beam request goes to ``advance_beams``."""
         if isinstance(request, BeamRequest):
-            return self.advance_beams(request, seqs, logprobs)
+            return self.advance_beams(request, seqs, torch.log_softmax(logits, dim=-1))
         # BEGIN SOLUTION after the prompt's step, fork n - 1 samples; each draws its first token from the same logits
         if len(request.seqs) < request.width:
             parent, params = seqs[0], request.params
             for index in range(1, request.width):  # fork first: the samples share the prompt, no new token
                 child = self.fork(request, parent, index)
                 draw = sample(logits[0], params, child.generator) if params.temperature > 0 else tokens[0]
-                self.append_token(request, child, draw, float(logprobs[0, draw]), logprobs[0])
+                (logprob,), (top_logprobs,) = compute_logprobs(logits[:1], [draw], [params.logprobs])
+                self.append_token(request, child, draw, logprob, top_logprobs)
         # END SOLUTION
-        super().process_outputs(request, seqs, tokens, chosen, logprobs, logits)
+        super().process_outputs(request, seqs, tokens, chosen, top, logits)
 
     def advance_beams(self, request: BeamRequest, seqs: list[SampledSequence], logprobs: torch.Tensor) -> None:
         """Score the (beam, token) candidates, finish the ending ones, fork or free the beams."""

@@ -335,3 +335,13 @@ def test_one_sequence_per_request_and_recompute_only():
     with pytest.raises(ValueError):
         LLM("tiny", num_gpu_blocks=16, max_num_batched_tokens=0)
     assert llm.scheduler.block_manager.num_free_blocks == 16
+
+
+def test_the_runner_drops_the_rows_of_finished_requests_even_when_no_step_follows():
+    """A step that schedules nothing still owes the runner the rows to drop: they come with the next one."""
+    llm = LLM("tiny", max_num_seqs=4)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for _ in range(3):
+        llm.generate([{"prompt_token_ids": [i + 1, i + 2]} for i in range(4)], params, use_tqdm=False)
+        assert llm.engine.step() == []  # nothing left to run
+        assert set(llm.engine.runner.input_batch.req_ids) <= set(llm.scheduler.finished_req_ids)

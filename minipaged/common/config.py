@@ -42,6 +42,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = False
+    async_scheduling: bool = False  # schedule step N + 1 while step N runs (stage 10 only)
     attention_backend: str = "ref"
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
@@ -58,8 +59,9 @@ class EngineConfig:
         check_int("seed", self.seed, -(2**63))
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        for flag in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.model, str | os.PathLike):
             raise ValueError(f"model must be a folder or 'tiny', got {self.model!r}")
         resolve_dtype(self.dtype)

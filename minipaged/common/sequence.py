@@ -42,8 +42,9 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def append_token(self, token_id: int) -> None:
-        """Record a generated token: the K/V of every token before it are now in the cache."""
-        self.num_computed_tokens = len(self)
+        """Record a generated token: the K/V of every token before it are now in the cache (a scheduler
+        that counts tokens computed when it schedules them may have counted more: they stay counted)."""
+        self.num_computed_tokens = max(self.num_computed_tokens, len(self))
         self.output_token_ids.append(token_id)
 
 

@@ -329,8 +329,8 @@ CATALOGUE: list[Mutant] = [
     # stage 10: V1's scheduler
     m(10, "decodes are not charged to the budget", ("            budget -= n\n            i += 1",
                                                     "            budget -= n if n > 1 else 0\n            i += 1")),
-    m(10, "a running prompt's chunk exceeds the budget", ("n = min(len(seq) - seq.num_computed_tokens, budget)",
-                                                          "n = len(seq) - seq.num_computed_tokens")),
+    m(10, "a running prompt's chunk exceeds the budget", (
+        "return min(len(seq) - seq.num_computed_tokens, budget)", "return len(seq) - seq.num_computed_tokens")),
     m(10, "the last admitted prompt is not cut to the budget", ("n = min(len(seq) - computed, budget)",
                                                                 "n = len(seq) - computed")),
     m(10, "the oldest running request is preempted", ("victim = self.running.pop()  # the newest",

@@ -6,7 +6,7 @@ routes, the metrics and the live page read the engine through its public methods
 
 * requests in and outputs out: ``submit``, ``release``, ``abort_all``, ``stream``, ``stream_all``;
 * the model: ``model_name``, ``max_model_len``, ``vocab_size``, ``has_tokenizer``,
-  ``max_token_chars``, ``encode``, ``decode``, ``id_to_token``;
+  ``max_token_chars``, ``encode``, ``decode``, ``detokenizer``, ``id_to_token``;
 * the engine's state: ``snapshot`` (the live page), ``stats`` (the metrics' gauges), ``health``,
   ``num_waiting``, ``num_in_flight``; ``metrics`` holds the Prometheus metrics it observes.
 
@@ -39,6 +39,7 @@ from collections.abc import AsyncGenerator, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from minipaged.common.detokenizer import IncrementalDetokenizer
 from minipaged.common.sampling_params import SEED_RANGE, RequestOutput, SamplingParams
 from minipaged.serving.metrics import Metrics
 
@@ -151,6 +152,10 @@ class EngineClient:
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, as the engine decodes it."""
         return self._engine.text(token_ids)
+
+    def detokenizer(self) -> IncrementalDetokenizer | None:
+        """A new incremental detokenizer for one sequence's text, as the engine decodes it; None without a tokenizer."""
+        return IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
 
     def id_to_token(self, token_id: int) -> str | None:
         """The tokenizer's string for one token id (its vocabulary entry, not its decoded text)."""

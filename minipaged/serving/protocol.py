@@ -9,9 +9,10 @@ vLLM's ``entrypoints/openai/protocol.py`` is the reference for names, defaults a
   warning in the log, as vLLM does.
 * ``OpenAIError``: an HTTP error with OpenAI's body ``{"error": {"message", "type", "param",
   "code"}}`` and vLLM's type names (``BadRequestError``, ``NotFoundError``, ...).
-* ``ChoiceText``: one choice's text as its tokens arrive: decoded, cut at the first stop
-  string, and, while it runs, holding back any tail that could still become a stop string
-  (or an unfinished UTF-8 character), so that the streamed pieces join to the final text.
+* ``ChoiceText``: one choice's text as its tokens arrive: decoded incrementally (each token
+  once, ``minipaged.common.detokenizer``), cut at the first stop string, and, while it runs,
+  holding back any tail that could still become a stop string (or an unfinished UTF-8
+  character), so that the streamed pieces join to the final text.
 * ``render_chat``: a chat's messages through the model's chat template (Jinja, sandboxed,
   with transformers' settings).
 """
@@ -21,12 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from minipaged.common.detokenizer import IncrementalDetokenizer
 from minipaged.common.sampling_params import SamplingParams, find_stop_string
 
 logger = logging.getLogger("minipaged.serving")
@@ -310,37 +313,64 @@ def render_chat(template: str | None, messages: list[ChatMessage], add_generatio
         raise OpenAIError(f"the chat template refused the messages: {err}", 400, "messages") from None
 
 
+class Redecode:
+    """A whole-sequence ``decode(ids) -> str`` in the shape of ``IncrementalDetokenizer``: it decodes
+    every token again on each ``add`` (quadratic; for tests and small tools). Its text may end in
+    U+FFFD while a character is unfinished, and change when the character is finished."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode, self.text = decode, ""
+        self.ids: list[int] = []
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        self.ids.extend(token_ids)
+        self.text = self.decode(self.ids)
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
 class ChoiceText:
     """One choice's text as its tokens arrive, cut at the first stop string (vLLM's detokenizer rules).
 
-    ``update(token_ids, finished)`` takes every token so far. The text is the decoded tokens, cut
-    where the earliest stop string begins (or, with ``include_stop_str_in_output``, where it
-    ends); a stop string ends the choice with finish reason ``"stop"``. ``ready()`` is the text
+    ``detokenizer`` makes the text: an ``IncrementalDetokenizer`` (``EngineClient.detokenizer()``),
+    which decodes each token once; a plain ``decode(ids)`` function (decoding everything again:
+    ``Redecode``); or None (no tokenizer: the text stays ""). ``update(token_ids, finished)`` takes
+    every token so far, and hands only the new ones to the detokenizer. The text is the decoded
+    tokens, cut where the earliest stop string begins (or, with ``include_stop_str_in_output``,
+    where it ends); a stop string ends the choice with finish reason ``"stop"``. Only the new text
+    (and the ``len(stop) - 1`` characters before it) is searched. ``ready()`` is the text
     that may be sent now: all of it once finished; while running, without an unfinished UTF-8
     character (``U+FFFD`` at the end) and, unless stop strings are included in the output, without
     the longest tail that is the beginning of a stop string.
     """
 
-    def __init__(self, decode, stops: list[str], include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0) -> None:
-        self.decode, self.stops, self.include = decode, stops, include_stop_str_in_output
+    def __init__(self, detokenizer: IncrementalDetokenizer | Redecode | Callable[[list[int]], str] | None,
+                 stops: list[str], include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
+        self.detokenizer = Redecode(detokenizer) if callable(detokenizer) else detokenizer
+        self.stops, self.include = stops, include_stop_str_in_output
         self.min_tokens = min_tokens  # no stop string counts before this many tokens (vLLM's rule)
         self.text, self.num_tokens, self.finished, self.checked = "", 0, False, 0
         self.stop_reason: str | int | None = None
         self.finish_reason: str | None = None
 
-    def update(self, token_ids: list[int], finish_reason: str | None) -> None:
+    def update(self, token_ids: Sequence[int], finish_reason: str | None) -> None:
         if self.finished:
             return
-        self.num_tokens = len(token_ids)
-        text = self.decode(token_ids)
-        found = find_stop_string(text, self.stops, self.include, self.checked)  # in the new text only
-        self.checked = len(text)
-        if found and len(token_ids) >= self.min_tokens:
+        new = token_ids[self.num_tokens:]
+        self.num_tokens += len(new)
+        if self.detokenizer is not None:
+            self.detokenizer.add(new)
+            if finish_reason is not None:
+                self.detokenizer.finish()
+            self.text = self.detokenizer.text
+        found = find_stop_string(self.text, self.stops, self.include, self.checked)  # in the new text only
+        self.checked = len(self.text)
+        if found and self.num_tokens >= self.min_tokens:
             self.text, self.stop_reason = found
             self.finished, self.finish_reason = True, "stop"
             return
-        self.text = text
         if finish_reason is not None:
             self.finished, self.finish_reason = True, finish_reason
 

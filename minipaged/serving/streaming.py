@@ -40,8 +40,8 @@ class Run:
     def __init__(self, client: EngineClient, handles: list[Handle], n: int, stops: list[str], include_stop: bool,
                  logprobs: int | None) -> None:
         self.client, self.handles, self.n, self.logprobs = client, handles, n, logprobs
-        self.texts = [ChoiceText(client.decode, stops, include_stop, h.params.min_tokens)
-                      for h in handles for _ in range(n)]
+        self.texts = [ChoiceText(client.detokenizer(), stops, include_stop, h.params.min_tokens)
+                      for h in handles for _ in range(n)]  # each decodes its new tokens only
         self.tokens: list[list[int]] = [[] for _ in self.texts]
         self.token_logprobs: list[list[dict[int, float]]] = [[] for _ in self.texts]
         self.sent = [0] * len(self.texts)  # characters streamed
@@ -57,9 +57,9 @@ class Run:
             if text.finished:
                 continue
             text.update(c.token_ids, c.finish_reason)
-            self.tokens[k] = list(c.token_ids[: text.num_tokens])
+            self.tokens[k].extend(c.token_ids[len(self.tokens[k]): text.num_tokens])  # the new ones: no copy of all
             if c.logprobs is not None:
-                self.token_logprobs[k] = c.logprobs[: text.num_tokens]
+                self.token_logprobs[k].extend(c.logprobs[len(self.token_logprobs[k]): text.num_tokens])
             changed.append(k)
             if text.finished and text.finish_reason == "stop" and text.stop_reason is None:
                 last = text.num_tokens and c.token_ids[text.num_tokens - 1]

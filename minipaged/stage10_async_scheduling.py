@@ -1,0 +1,105 @@
+"""Stage 10, async scheduling: the scheduler prepares step N + 1 while step N's forward pass runs.
+
+A synchronous engine does one thing at a time: schedule, run the model, sample, process the
+outputs, and only then schedule again. Everything but the forward pass keeps the model
+waiting. NanoFlow (Zhu et al., 2024) and vLLM V1's ``--async-scheduling`` overlap them: the
+forward pass (and the sampler after it) runs in a worker — a thread here: torch releases the
+GIL inside its kernels, and one torch thread leaves the second core free — while the engine
+schedules the next step and processes the last one's outputs. One step ``N`` is in flight:
+
+1. **Schedule N + 1**, while N runs. A request that N samples is scheduled again with a
+   **placeholder** for the token not sampled yet (``V1Scheduler.num_new_tokens``): its slot
+   and blocks are allocated, its id is unknown. Not scheduled yet: a request whose token is
+   its last (it ends, whatever the token), or its first since admission (stage 9 makes the
+   prompt's blocks findable at its first decode; step N must have written them first).
+2. **Wait for N**: its logits and sampled tokens.
+3. **Append the tokens** to their sequences, write them into N + 1's messages for the runner
+   (``add_sampled_tokens``), and **launch N + 1**.
+4. **Process N's outputs** while N + 1 runs: stop tokens, stop strings, finished requests.
+
+What it cannot know, it pays for: a request that stops at step N (an end token, a stop
+string) was scheduled in N + 1 too, and that computation is thrown away. The outputs are
+those of synchronous stepping, token for token (``tests/test_stage10_async_scheduling.py``): the same
+tokens are computed in the same order, each sequence draws with its own generator, and a
+request preempted while its step ran keeps the token that step sampled for it.
+
+An exception or Ctrl-C aborts the requests of both steps, scheduled or preempted; a forward
+pass still running finishes in the worker before any other starts, its result dropped.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from minipaged.common.sampler import SamplerOutput
+from minipaged.common.sampling_params import RequestOutput
+from minipaged.stage7_engine import Request
+from minipaged.stage10_model_runner import SchedulerOutput
+from minipaged.stage10_v1_scheduler import V1Engine
+
+InFlight = tuple[SchedulerOutput, "Future[tuple[list[Request], SamplerOutput]]"]
+
+
+class AsyncV1Engine(V1Engine):
+    """Stage 10's engine with one step in flight: ``LLM(..., async_scheduling=True)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-forward")  # one step at a time
+        self.in_flight: InFlight | None = None
+
+    def forward_and_sample(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
+        """The worker's part of a step: the forward pass, then the sampler on the rows that sample."""
+        by_id = {r.request_id: r for r in out.scheduled}
+        req_ids, logits = self.runner.execute_model(out)
+        requests = [by_id[r] for r in req_ids]
+        return requests, self.sampler(logits, [r.seqs[0] for r in requests], [r.params for r in requests])
+
+    def launch(self, out: SchedulerOutput) -> None:
+        self.scheduler.add_sampled_tokens(out)
+        self.in_flight = (out, self.worker.submit(self.forward_and_sample, out))
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule the next step while this one runs; return this one's outputs."""
+        if self.in_flight is None:  # nothing running: schedule and launch a step first
+            first = self.scheduler.schedule()
+            if not first.total_num_scheduled_tokens:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler found nothing to run although requests remain")
+                return []
+            self.launch(first)
+        assert self.in_flight is not None
+        out, future = self.in_flight
+        next_out: SchedulerOutput | None = None
+        try:
+            next_out = self.scheduler.schedule()
+            requests, sampled = future.result()
+            self.in_flight = None
+            alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]  # ended or aborted since: dropped
+            for i, r in alive:
+                self.record_token(r, r.seqs[0], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+            if next_out.total_num_scheduled_tokens:
+                self.launch(next_out)
+            for i, r in alive:
+                self.check_stop(r, r.seqs[0], sampled.token_ids[i])
+        except BaseException:  # an exception or Ctrl-C: drop both steps' requests, every block back
+            self.drop_steps(out, next_out)
+            raise
+        self.stats.record_step(*self.step_counts(out))
+        outputs = [self.output(r) for _, r in alive]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
+    def drop_steps(self, out: SchedulerOutput, next_out: SchedulerOutput | None) -> None:
+        """Abort the requests of the step in flight and of the next one. The rows those steps were to
+        drop are dropped at the step after, in case the runner never saw them (dropping twice is harmless)."""
+        self.in_flight = None  # a forward still running ends in the worker; nobody reads its result
+        steps = [out] if next_out is None else [out, next_out]
+        for step in steps:
+            self.scheduler.finished_req_ids[:0] = step.finished_req_ids + step.preempted_req_ids
+        for step in steps:
+            for request in self.requests_touched(step):
+                self.abort_request(request.request_id)

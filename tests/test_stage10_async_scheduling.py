@@ -1,0 +1,138 @@
+"""Stage 10, async scheduling: step N + 1 scheduled while step N runs gives synchronous stepping's outputs."""
+
+import random
+
+import pytest
+import torch
+from test_stage10_v1_scheduler import assert_same
+
+from minipaged.stage7_engine import LLM as Stage7LLM
+from minipaged.stage7_engine import SamplingParams
+from minipaged.stage9_prefix_caching import LLM as Stage9LLM
+from minipaged.stage10_v1_scheduler import LLM
+
+pytestmark = pytest.mark.stage10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def workload(seed, n=14):
+    """Prompts sharing prefixes; greedy and seeded rows; stop tokens that end some requests early."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 2000) for _ in range(9)]
+    prompts = [{"prompt_token_ids": (system if rng.random() < 0.5 else [])
+                + [rng.randrange(1, 2000) for _ in range(rng.randrange(1, 20))]} for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 24), temperature=rng.choice([0.0, 0.9]), seed=i,
+                             logprobs=2, stop_token_ids=[rng.randrange(2048) for _ in range(40)])
+              for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize(("budget", "num_blocks"), [(4096, 64), (8, 64), (4096, 16), (3, 14)],
+                         ids=["roomy", "small budget", "preempting", "both"])
+@pytest.mark.parametrize("seed", range(3))
+def test_async_scheduling_gives_the_outputs_of_synchronous_stepping(seed, budget, num_blocks):
+    prompts, params = workload(seed)
+    kwargs = dict(block_size=4, num_gpu_blocks=num_blocks, max_model_len=56, max_num_batched_tokens=budget,
+                  max_num_seqs=6)
+    sync, asynchronous = LLM("tiny", **kwargs), LLM("tiny", async_scheduling=True, **kwargs)
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = asynchronous.generate(prompts, params, use_tqdm=False)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.outputs[0].finish_reason == theirs.outputs[0].finish_reason
+        assert_same(mine.outputs[0], theirs.outputs[0], sync)
+    assert asynchronous.scheduler.block_manager.num_free_blocks == num_blocks
+    if num_blocks == 16:
+        assert asynchronous.stats.num_preemptions > 0  # the fixture preempts, or it proves nothing about them
+
+
+def test_a_step_is_scheduled_while_the_one_before_runs():
+    llm = LLM("tiny", async_scheduling=True, max_num_batched_tokens=4096)
+    engine, seen = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        seen.append(engine.in_flight is not None)  # a step in flight when the scheduler runs
+        return schedule()
+
+    engine.scheduler.schedule = watched
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    # the prompt's step runs alone (the first decode waits for it), then every step is scheduled during the last
+    assert seen[:3] == [False, True, False] and all(seen[3:]) and len(seen) >= 9
+
+
+def test_no_token_is_computed_for_a_request_whose_last_token_is_in_flight():
+    """With end tokens ignored, every request's length is known: async computes exactly what sync computes."""
+    prompts = [{"prompt_token_ids": list(range(1, 3 + i))} for i in range(6)]
+    params = [SamplingParams(max_tokens=1 + i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    counts = []
+    for flag in (False, True):
+        llm = LLM("tiny", async_scheduling=flag, max_num_batched_tokens=4096)
+        llm.generate(prompts, params, use_tqdm=False)
+        counts.append((llm.stats.prefill_tokens, llm.stats.decode_tokens))
+    assert counts[0] == counts[1]
+
+
+def test_a_prompts_first_decode_waits_for_the_step_that_computes_its_prompt():
+    """Its first decode makes the prompt's blocks findable (stage 9): not before their K/V are written."""
+    llm = LLM("tiny", async_scheduling=True, block_size=4, max_num_batched_tokens=4096)
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": list(range(1, 10))},
+                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    first = engine.scheduler.schedule()
+    engine.launch(first)  # the prompt's step, in flight
+    assert "a" not in engine.scheduler.schedule().num_scheduled_tokens
+    engine.in_flight[1].result()
+
+
+def test_a_stopped_request_gets_no_token_from_the_step_it_was_scheduled_in_after_stopping():
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = LLM("tiny").generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[tokens[3]])
+    out = LLM("tiny", async_scheduling=True).generate([prompt], stop, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:tokens.index(tokens[3]) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("at", ["forward", "schedule"])
+def test_an_exception_in_either_step_leaves_the_engine_usable_with_every_block_back(fault, at, monkeypatch):
+    llm = LLM("tiny", async_scheduling=True, num_gpu_blocks=32, block_size=4, max_model_len=64,
+              max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": list(range(1, 10 + i))} for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    part = llm.engine.runner if at == "forward" else llm.engine.scheduler
+    name = "execute_model" if at == "forward" else "schedule"
+    original, calls = getattr(part, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise fault("boom")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(part, name, failing)
+    with pytest.raises(fault):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(part, name, original)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.scheduler.block_manager.num_free_blocks == 32
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    # the runner holds a row only for a request it will be told to drop at the next step: none is lost
+    assert set(llm.engine.runner.input_batch.req_ids) <= set(llm.scheduler.finished_req_ids)
+
+
+@pytest.mark.parametrize("cls", [Stage7LLM, Stage9LLM])
+def test_async_scheduling_is_refused_below_stage_10_and_must_be_a_flag(cls):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        cls("tiny", async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM("tiny", async_scheduling="yes")
