@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from minipaged.common.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from minipaged.common.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.stage0_contiguous import (
     POLICIES,
@@ -65,6 +65,7 @@ __all__ = [
     "PrefixCachingAllocator",
     "PrefixCachingBlockSpaceManager",
     "Sampler",
+    "RequestOutputKind",
     "Scheduler",
     "SchedulerOutput",
     "Sequence",

@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching,
-          scheduler=args.scheduler)
+          scheduler=args.scheduler, **({"async_scheduling": True} if args.async_scheduling else {}))
     return 0
 
 
@@ -213,6 +213,8 @@ def _add_serve_command(sub) -> None:
                    help="seconds a client has to send its whole body (else HTTP 408)")
     p.add_argument("--scheduler", default="v0", choices=["v0", "v1"],
                    help="v1: stage 10's engine (one token budget per step, chunked prefill, prefix caching)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="with --scheduler v1: schedule each step while the one before runs")
     p.set_defaults(run=_serve)
 
 

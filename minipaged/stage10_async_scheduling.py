@@ -34,7 +34,7 @@ from typing import Any
 
 from minipaged.common.sampler import SamplerOutput
 from minipaged.common.sampling_params import RequestOutput
-from minipaged.stage7_engine import Request
+from minipaged.stage7_engine import CUMULATIVE, Request
 from minipaged.stage10_model_runner import SchedulerOutput
 from minipaged.stage10_v1_scheduler import V1Engine
 
@@ -87,7 +87,7 @@ class AsyncV1Engine(V1Engine):
             self.drop_steps(out, next_out)
             raise
         self.stats.record_step(*self.step_counts(out))
-        outputs = [self.output(r) for _, r in alive]
+        outputs = [self.output(r) for _, r in alive if r.params.output_kind is CUMULATIVE or r.is_finished()]
         for o in outputs:
             if o.finished:
                 del self.requests[o.request_id]

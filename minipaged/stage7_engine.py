@@ -38,6 +38,7 @@ from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import (
     CompletionOutput,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
     find_stop_string,
 )
@@ -55,6 +56,8 @@ from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 from minipaged.stage7_model_runner import ModelRunner, Runner
+
+CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
 
 @dataclass(eq=False)
@@ -134,7 +137,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, and return the outputs of the requests that progressed.
+        """Schedule, run the model, sample, and return the outputs of the requests that progressed
+        (of those whose ``output_kind`` is ``FINAL_ONLY``, only the finished ones).
 
         An exception or Ctrl-C inside the step aborts every request it scheduled or preempted,
         so that every block goes back and the engine keeps working."""
@@ -150,7 +154,7 @@ class LLMEngine:
                 self.abort_request(request.request_id)
             raise
         self.stats.record_step(*self.step_counts(out))
-        outputs = [self.output(r) for r in requests]
+        outputs = [self.output(r) for r in requests if r.params.output_kind is CUMULATIVE or r.is_finished()]
         for o in outputs:
             if o.finished:
                 del self.requests[o.request_id]
@@ -314,6 +318,9 @@ class LLM:
                   else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        final = {id(p): dataclasses.replace(p, output_kind=FINAL_ONLY) if isinstance(p, SamplingParams) else p
+                 for p in params}  # as vLLM's LLM asks: no output of a request before it is done
+        params = [final[id(p)] for p in params]
         ids, done = [], {}
         try:
             for prompt, p in zip(prompts, params, strict=True):

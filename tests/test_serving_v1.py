@@ -10,6 +10,7 @@ import minipaged.serving.server
 from minipaged import SamplingParams
 from minipaged.cli import main
 from minipaged.serving.launcher import free_port
+from minipaged.stage10_async_scheduling import AsyncV1Engine
 from minipaged.stage10_v1_scheduler import LLM, V1Engine
 
 pytestmark = pytest.mark.serving
@@ -67,7 +68,8 @@ class Built(Exception):
     """Stops serve() once it has built its engine."""
 
 
-@pytest.mark.parametrize(("argv", "v1"), [([], False), (["--scheduler", "v1"], True)])
+@pytest.mark.parametrize(("argv", "v1"), [([], False), (["--scheduler", "v1"], True),
+                                          (["--scheduler", "v1", "--async-scheduling"], True)])
 def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
     def build_app(llm, *args, **kwargs):
         raise Built(llm)
@@ -78,6 +80,21 @@ def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
     llm = built.value.args[0]
     assert isinstance(llm, LLM) == v1
     assert isinstance(llm.engine, V1Engine) == v1
+    assert isinstance(llm.engine, AsyncV1Engine) == ("--async-scheduling" in argv)
+
+
+def test_an_async_scheduling_server_streams_what_generate_gives():
+    server = ThreadServer(LLM("tiny", async_scheduling=True, **ENGINE_ARGS))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        llm = LLM("tiny", **ENGINE_ARGS)
+        for prompt in PROMPTS:
+            want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+            pieces = [c.choices[0].text for c in client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)]
+            assert "".join(pieces) == want.outputs[0].text
+    finally:
+        server.close()
 
 
 def test_serve_v1_refuses_swap_before_serving(monkeypatch):

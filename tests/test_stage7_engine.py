@@ -1,5 +1,6 @@
 """Stage 7: the engine, checked against Hugging Face transformers on the same weights."""
 
+import dataclasses
 import json
 
 import helpers_tolerances as tolerances
@@ -294,3 +295,22 @@ def test_sharded_checkpoints_and_half_precision_load(checkpoints, tmp_path):
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_final_only_request_has_one_output_when_it_finishes_and_generate_asks_for_that():
+    from minipaged.common.sampling_params import RequestOutputKind
+
+    llm = LLM("tiny")
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([{"prompt_token_ids": [3, 4, 5]}], greedy, use_tqdm=False)[0]
+    llm.engine.add_request("final", {"prompt_token_ids": [3, 4, 5]},
+                           dataclasses.replace(greedy, output_kind=RequestOutputKind.FINAL_ONLY))
+    llm.engine.add_request("each", {"prompt_token_ids": [3, 4, 5]}, greedy)
+    seen = [[o.request_id for o in llm.engine.step()] for _ in range(5)]
+    assert seen == [["each"]] * 4 + [["final", "each"]] or seen == [["each"]] * 4 + [["each", "final"]]
+    llm.generate([{"prompt_token_ids": [1]}], greedy, use_tqdm=False)
+    assert greedy.output_kind is RequestOutputKind.CUMULATIVE  # generate changes a copy, not the caller's params
+    assert expected.outputs[0].token_ids == LLM("tiny").generate([{"prompt_token_ids": [3, 4, 5]}], greedy,
+                                                                 use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final_only")

@@ -1,10 +1,16 @@
 """Micro-benchmarks of the block bookkeeping (pytest-benchmark; `make bench` runs them).
 
 They time, they do not test: every function here returns nothing that is asserted on
-beyond a sanity check. Run: pytest bench/micro --benchmark-only
+beyond a sanity check. Run: pytest bench/micro --benchmark-only (with NANO_VLLM_PATH set to a
+nano-vllm checkout, its BlockManager runs beside minipaged's).
 """
 
+import importlib
+import os
+import sys
+import types
 from collections import deque
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,10 +112,50 @@ class PlainBlockManager:
         return torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s in seq_ids], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("kind", ["plain-baseline", "minipaged"])
+def nano_vllm_block_manager():
+    """nano-vllm's own ``BlockManager`` and ``Sequence``, from a checkout named by ``NANO_VLLM_PATH`` (never copied
+    here); skipped without one. Its package ``__init__`` needs CUDA libraries, so its two modules load on their own."""
+    path = os.environ.get("NANO_VLLM_PATH")
+    if not path:
+        pytest.skip("set NANO_VLLM_PATH to a nano-vllm checkout to measure its BlockManager beside minipaged's")
+    pytest.importorskip("xxhash")
+    for name in ("nanovllm", "nanovllm.engine"):  # empty packages: the two modules without their imports
+        sys.modules.setdefault(name, types.ModuleType(name)).__path__ = [str(Path(path, *name.split(".")))]
+    params = types.ModuleType("nanovllm.sampling_params")
+    params.SamplingParams = lambda **kw: types.SimpleNamespace(temperature=1.0, max_tokens=64, ignore_eos=False)
+    sys.modules["nanovllm.sampling_params"] = params
+    sequence = importlib.import_module("nanovllm.engine.sequence")
+    return importlib.import_module("nanovllm.engine.block_manager").BlockManager, sequence.Sequence
+
+
+def nano_vllm_decode_steps(block_manager_class, sequence_class, steps=256):
+    """What nano-vllm does per decode step for the same 256 sequences: the sampled token appended and
+    ``may_append`` per sequence (its scheduler), then the slot mapping and block tables its runner's
+    ``prepare_decode`` builds."""
+    sequence_class.block_size = 16
+    manager = block_manager_class(256 * 64, 16)
+    seqs = [sequence_class(list(range(100 + i))) for i in range(256)]
+    for seq in seqs:
+        manager.allocate(seq)
+    for _ in range(steps):
+        for seq in seqs:
+            seq.append_token(7)
+            manager.may_append(seq)
+        torch.tensor([s.block_table[-1] * 16 + s.last_block_num_tokens - 1 for s in seqs], dtype=torch.int32)
+        width = max(len(s.block_table) for s in seqs)
+        torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["plain-baseline", "nano-vllm", "minipaged"])
 def test_256_decode_steps_of_256_sequences(benchmark, kind):
-    """256 sequences, block size 16, 256 decode steps: minipaged's manager (stage 6, copy-on-write
-    checks included) beside the plain baseline, in the same run."""
+    """256 sequences of 100-355 prompt tokens, block size 16, 256 decode steps: minipaged's manager (stage 6,
+    copy-on-write checks included: ``append_slot`` for every sequence, then ``slot_mapping`` and
+    ``block_tables_tensor``) beside the plain baseline and, given a checkout, nano-vllm's own code, in one run."""
+    if kind == "nano-vllm":
+        classes = nano_vllm_block_manager()
+        benchmark.pedantic(nano_vllm_decode_steps, classes, rounds=3, iterations=1)
+        return
+
     def run():
         manager = (SwapBlockSpaceManager(RefCountedBlockAllocator(256 * 64), 16) if kind == "minipaged"
                    else PlainBlockManager(256 * 64, 16))

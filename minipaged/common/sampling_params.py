@@ -7,6 +7,7 @@ refused before anything runs: nothing a ``SamplingParams`` holds can fail inside
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -17,6 +18,14 @@ SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (SAMPLING_EPS, this) is raised to this
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a torch.long, as vLLM's OpenAI server takes it
 MAX_N = 2**16  # sample i is seeded seed + i: every such seed must fit torch's generator
+
+
+class RequestOutputKind(enum.Enum):
+    """When a request's outputs are made, as vLLM names it: at every step it progresses (``CUMULATIVE``,
+    its tokens so far), or once, when it finishes (``FINAL_ONLY``, what ``LLM.generate`` asks for)."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -46,6 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return the top-k log-probabilities of each step
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # an output every step, or only the last
 
     def __post_init__(self) -> None:
         check_int("SamplingParams.n", self.n, 1)
@@ -54,6 +64,8 @@ class SamplingParams:
         check_int("SamplingParams.max_tokens", self.max_tokens, 1)
         check_int("SamplingParams.logprobs", self.logprobs, 0, allow_none=True)
         check_int("SamplingParams.min_tokens", self.min_tokens, 0)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if self.seed is not None:
