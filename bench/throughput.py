@@ -1,27 +1,55 @@
-"""How much faster does a paged, continuously batched engine serve than transformers?
+"""How much faster does a paged, continuously batched engine serve than transformers and CTranslate2?
 
-All run the same model on the same machine in the same process: minipaged's ``LLM``,
-Hugging Face ``generate`` in static batches, and transformers' own continuous batching
-(its ``ContinuousBatchingManager``, the engine behind ``generate_batch``, with paged
-attention). The requests have ShareGPT-like prompt and output lengths, scaled to the
-model's maximum length (the paper's means, 161 and 338 tokens of 2048, times
-max_len / 2048), and each request generates exactly its output length (end tokens are
-ignored everywhere). Static ``generate`` serves them in batches of the same size as
-minipaged's ``max_num_seqs``, left-padded, each batch running until its longest request
-is done, as it must; transformers' continuous batching gets the same number of requests
-per batch. Throughput counts the generated tokens each request asked for, per second of
-wall time, the median of 3 runs of each side taken in turn (one with --quick); the greedy
-outputs are checked equal. Also reported: the share of minipaged's
-wall time spent outside the model's forward pass (scheduling, block bookkeeping, inputs,
-sampling).
+All run the same model on the same machine in the same process: minipaged's ``LLM`` (stage 10's
+by default, ``--engine stage7`` for the lower one; ``--async-scheduling`` where stage 10 has it),
+Hugging Face ``generate`` in static batches, transformers' own continuous batching (its
+``ContinuousBatchingManager``, the engine behind ``generate_batch``, with paged attention), and
+CTranslate2, a C++ inference engine, on its own float32 conversion of the model.
 
-Writes bench/results/throughput.json and .png; the last line is the ratios. ``--plot-only``
-redraws the .png from the saved .json without measuring anything.
+The requests have ShareGPT-like prompt and output lengths (prompts of 2 tokens at least), and each
+request generates exactly its output length (end tokens are ignored everywhere). Two models
+(``--model``):
+
+* ``tiny`` (the default): the 4-layer Llama that ships with minipaged; 128 requests (64 with
+  --quick), the paper's means (161 and 338 tokens of 2048) scaled to its 512 positions. The model
+  is so small that every engine is bound by its own per-operation overhead.
+* ``qwen2.5-0.5b-shaped``: Qwen2.5-0.5B's shape (24 layers, hidden 896, vocabulary 151,936) with
+  random weights, built once under build/models/ (bench/peer_models.py); 32 requests (8 with
+  --quick), mean prompt 8 and output 8 tokens, at most 48 together, so that a full run takes about
+  a quarter of an hour on one CPU thread. Here the forward pass dominates.
+
+Static ``generate`` serves the requests in batches of the same size as minipaged's
+``max_num_seqs``, left-padded, each batch running until its longest request is done, as it must;
+transformers' continuous batching gets the same number of requests per batch. CTranslate2 batches
+statically too: it sorts the requests by prompt length and cuts them into batches of that size;
+a request that has its tokens leaves its batch (a callback stops it at its own length), but no
+waiting request takes its place, so each batch runs until its longest request is done. It also
+forwards a batch's prompts at once only as far as the shortest of them goes; the rest of each
+longer prompt takes one decoding step a token.
+
+Throughput counts the generated tokens each request asked for, per second of wall time, the
+median of 3 runs of each side, the four sides taken in turn in each repeat (one run with
+--quick); every run's figure, the thread count of each side and the load average before and after
+are kept in the results. The greedy outputs are compared with transformers' continuous batching
+and with CTranslate2 (how many are token for token the same). Also reported: the share of
+minipaged's wall time spent outside the model's forward pass (scheduling, block bookkeeping,
+inputs, sampling).
+
+Caveats: everything runs in float32 on the CPU, where a side's runs spread on a shared machine:
+read the figures as ratios measured side by side, not as absolute speeds. With the 0.5B model's random
+weights a greedy choice can be a close call, so an output may differ between engines that round
+differently. If CTranslate2 cannot be installed (``pip install '.[bench]'``) or cannot run the
+model, the other three sides still run and the reason is in the results.
+
+Writes bench/results/throughput.json and .png for the tiny model, throughput_<model>.json and .png
+for another; the last line is the ratios. ``--plot-only`` redraws the .png from the saved .json
+without measuring anything.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -36,11 +64,17 @@ import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 from harness import make_parser, results_dir_for  # noqa: E402
+from peer_models import WORKLOADS, ctranslate2_model, model_path  # noqa: E402
 
+from minipaged import stage7_engine, stage10_v1_scheduler  # noqa: E402
+from minipaged.common.config import EngineConfig  # noqa: E402
 from minipaged.common.threads import apply_threads  # noqa: E402
-from minipaged.models import resolve_model_path  # noqa: E402
 from minipaged.perf.simulate import synthetic_requests  # noqa: E402
-from minipaged.stage7_engine import LLM, SamplingParams  # noqa: E402
+from minipaged.stage7_engine import SamplingParams  # noqa: E402
+
+ENGINES = {"stage10": stage10_v1_scheduler.LLM, "stage7": stage7_engine.LLM}
+HAS_ASYNC_SCHEDULING = "async_scheduling" in EngineConfig.__dataclass_fields__
+SIDES = ("minipaged", "transformers", "transformers_cb", "ctranslate2")
 
 
 def hf_static_batches(model, prompts, outputs, batch_size, pad_id) -> float:
@@ -87,6 +121,45 @@ def hf_continuous_batching(model, prompts, outputs, batch_size) -> tuple[float, 
     return seconds, [list(results[i]) for i in ids]
 
 
+def load_ctranslate2(name: str, path: Path, threads: int):
+    """CTranslate2's generator on its conversion of the model, and its vocabulary (token strings by
+    id, which is what it takes as input); or the reason it cannot run, as a string."""
+    try:
+        import ctranslate2
+
+        directory = ctranslate2_model(name, path)
+        vocabulary = json.loads((directory / "vocabulary.json").read_text())
+        if len(set(vocabulary)) != len(vocabulary):
+            raise ValueError("its vocabulary names two ids alike, so token strings cannot stand for ids")
+        generator = ctranslate2.Generator(str(directory), device="cpu", compute_type="float32",
+                                          intra_threads=threads, inter_threads=1)
+        generator.generate_batch([vocabulary[1:4]], max_length=2, end_token=[])  # warm up, not timed
+        return generator, vocabulary
+    except Exception as e:  # whatever the failure, the other sides still run, and say why
+        return f"{type(e).__name__}: {e}"
+
+
+def ctranslate2_batches(generator, vocabulary, prompts, outputs, batch_size) -> tuple[float, list[list[int]]]:
+    """Seconds to serve every request with CTranslate2's ``generate_batch``, and its tokens.
+
+    ``max_length`` is one number for all the requests, so each stops at its own output length
+    through the callback, which CTranslate2 calls for every generated token (``batch_id`` is the
+    request's index in the list) and which ends that request when it returns True. ``end_token=[]``:
+    no token ends a request early."""
+    starts = [[vocabulary[i] for i in p] for p in prompts]
+    made = [0] * len(prompts)
+
+    def stop_at_length(step) -> bool:
+        made[step.batch_id] += 1
+        return made[step.batch_id] >= outputs[step.batch_id]
+
+    start = time.perf_counter()
+    results = generator.generate_batch(starts, max_batch_size=batch_size, max_length=max(outputs), sampling_topk=1,
+                                       include_prompt_in_result=False, end_token=[], callback=stop_at_length)
+    seconds = time.perf_counter() - start
+    return seconds, [list(r.sequences_ids[0]) for r in results]
+
+
 class ForwardTimer:
     """Wraps the model inside minipaged's runner and adds up the seconds of its forward passes."""
 
@@ -108,77 +181,105 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - start
 
 
+def results_name(model: str) -> str:
+    return "throughput" if model == "tiny" else f"throughput_{model}"
+
+
 def plot(data: dict, path: Path) -> None:
     """Generated tokens per second of each engine, per batch size, from the saved results."""
     rows = data["rows"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), layout="constrained")
     xs = range(len(rows))
     bars = [("minipaged", "minipaged_tps", "#1b9e77"),
             ("transformers, continuous batching", "transformers_cb_tps", "#7570b3"),
+            ("CTranslate2 (static batches)", "ctranslate2_tps", "#d95f02"),
             ("transformers generate", "transformers_tps", "#999999")]
+    bars = [b for b in bars if any(r.get(b[1]) is not None for r in rows)]  # no CTranslate2 bars if it did not run
+    width = 0.8 / len(bars)
     for k, (label, key, color) in enumerate(bars):
-        ax.bar([x + 0.27 * (k - 1) for x in xs], [r[key] for r in rows], 0.27, label=label, color=color)
+        ax.bar([x + width * (k - (len(bars) - 1) / 2) for x in xs], [r.get(key) or 0 for r in rows], width,
+               label=label, color=color)
     ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows], fontsize=11)
     ax.tick_params(axis="y", labelsize=10)
     ax.set_ylabel("generated tokens / s", fontsize=11)
     ax.set_title(f"{data['model']} model, {data['requests']} requests, {data['device']}", fontsize=11)
-    fig.legend(loc="outside lower center", ncol=3, fontsize=9.5, frameon=False)  # below: it covers no bar
+    fig.legend(loc="outside lower center", ncol=2, fontsize=9.5, frameon=False)  # below: it covers no bar
     fig.savefig(path, dpi=200)
     plt.close(fig)
 
 
 def headline(rows: list[dict]) -> str:
-    return ("minipaged's throughput vs transformers generate / continuous batching: "
-            + ", ".join(f"{r['ratio']:.1f}x / {r['ratio_cb']:.1f}x at batch {r['batch']}" for r in rows))
+    def ratios(r: dict) -> str:
+        ct2 = f" / {r['ratio_ct2']:.1f}x" if r.get("ratio_ct2") is not None else ""
+        return f"{r['ratio']:.1f}x / {r['ratio_cb']:.1f}x{ct2} at batch {r['batch']}"
+
+    peers = "generate / continuous batching" + (" / CTranslate2" if rows and rows[0].get("ratio_ct2") else "")
+    return f"minipaged's throughput vs transformers {peers}: " + ", ".join(map(ratios, rows))
 
 
 def main() -> None:
-    parser = make_parser(__doc__, quick="64 requests and one run (the default: 128, 3 runs)")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--batch", type=int, help="max_num_seqs and transformers' batch size (default: 16, 32, 64)")
+    parser = make_parser(__doc__, quick="fewer requests and one run (tiny: 64, not 128; the 0.5B model: 8, not 32)")
+    parser.add_argument("--model", default="tiny", choices=sorted(WORKLOADS))
+    parser.add_argument("--engine", default="stage10", choices=sorted(ENGINES), help="minipaged's LLM (stage10)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="stage 10's async_scheduling=True (schedule a step while the one before runs)")
+    parser.add_argument("--batch", type=int, help="max_num_seqs and the peers' batch size (default: 16, 32, 64)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, help="torch CPU threads for every side (default: the free cores)")
+    parser.add_argument("--threads", type=int, help="CPU threads for every side (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
-                        help="redraw the plot from the saved results (bench/results/throughput.json), "
+                        help="redraw the plot from the saved results (bench/results/throughput[_<model>].json), "
                              "measuring nothing")
     args = parser.parse_args()
     results_dir = results_dir_for(args)
+    name = results_name(args.model)
     if args.plot_only:
-        data = json.loads((results_dir / "throughput.json").read_text())
-        plot(data, results_dir / "throughput.png")
+        data = json.loads((results_dir / f"{name}.json").read_text())
+        plot(data, results_dir / f"{name}.png")
         print(headline(data["rows"]))
         return
-    threads = apply_threads(args.threads)  # one count for every side: minipaged and both transformers runs
+    if args.async_scheduling and (args.engine != "stage10" or not HAS_ASYNC_SCHEDULING):
+        parser.error("--async-scheduling needs stage 10's LLM with an async_scheduling option")
+    load_before = os.getloadavg()
+    threads = apply_threads(args.threads)  # one count for every side: minipaged, transformers, CTranslate2
     repeats = 1 if args.quick else 3
     torch.manual_seed(0)
-    path = resolve_model_path(args.model)
+    path = model_path(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
-    max_len = min(hf.config.max_position_embeddings, 2048)
-    scale = max_len / 2048
-    trace = synthetic_requests(64 if args.quick else 128, mean_prompt=161.31 * scale, mean_output=337.99 * scale,
-                               max_len=max_len, seed=0)
+    workload = WORKLOADS[args.model]
+    max_len = workload["max_len"]
+    trace = synthetic_requests(workload["requests"][1 if args.quick else 0], mean_prompt=workload["mean_prompt"],
+                               mean_output=workload["mean_output"], max_len=max_len, seed=0)
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (r.prompt_len,), generator=gen).tolist() for r in trace]
-    outputs = [r.output_len for r in trace]
+    # Two prompt tokens at least: CTranslate2's generate_batch (4.8) takes a batch whose shortest prompt has one
+    # token as if include_prompt_in_result were True, and returns the prompts' tokens as output.
+    prompts = [torch.randint(0, vocab, (max(2, r.prompt_len),), generator=gen).tolist() for r in trace]
+    outputs = [min(r.output_len, max_len - len(p)) for r, p in zip(trace, prompts, strict=True)]
     wanted = sum(outputs)
-    print(f"{len(trace)} requests, mean prompt {sum(map(len, prompts)) / len(prompts):.0f}, mean output "
-          f"{wanted / len(trace):.0f} tokens, max {max_len}; {args.device}, "
-          f"{threads} torch thread(s) for every side")
+    print(f"{args.model}: {len(trace)} requests, mean prompt {sum(map(len, prompts)) / len(prompts):.0f}, mean "
+          f"output {wanted / len(trace):.0f} tokens, max {max_len}; {args.device}, {threads} thread(s) for every "
+          f"side; minipaged {args.engine}{' with async scheduling' if args.async_scheduling else ''}")
 
+    ct2 = load_ctranslate2(args.model, path, threads) if args.device == "cpu" else "runs here on the CPU only"
+    ct2_error = ct2 if isinstance(ct2, str) else None
+    if ct2_error:
+        print(f"CTranslate2 will not run: {ct2_error}")
     batches = [args.batch] if args.batch else ([32] if args.quick else [16, 32, 64])
     cb_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                  attn_implementation="sdpa").to(args.device).eval()
+    options = {"async_scheduling": True} if args.async_scheduling else {}
     rows = []
     for batch in batches:
-        llm = LLM(args.model, max_num_seqs=batch, max_model_len=max_len, device=args.device,
-                  attention_backend="triton" if args.device == "cuda" else "ref")
+        row_load_before = os.getloadavg()
+        llm = ENGINES[args.engine](str(path), max_num_seqs=batch, max_model_len=max_len, device=args.device,
+                                   attention_backend="triton" if args.device == "cuda" else "ref", **options)
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
         timer = llm.engine.runner.model = ForwardTimer(llm.engine.runner.model)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
-        seconds = {"minipaged": [], "transformers": [], "transformers_cb": []}
+        seconds: dict[str, list[float]] = {side: [] for side in SIDES}
         outside = []
-        for _ in range(repeats):  # the three sides in turn, so that a busy spell touches each alike
+        same_ct2 = None
+        for _ in range(repeats):  # the sides in turn, so that a busy spell touches each alike
             timer.seconds, steps_before = 0.0, llm.stats.steps
             start = time.perf_counter()
             results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -191,23 +292,57 @@ def main() -> None:
             continuous, cb_tokens = hf_continuous_batching(cb_model, prompts, outputs, batch)
             seconds["transformers_cb"].append(continuous)
             same = sum(a == b for a, b in zip(tokens, cb_tokens, strict=True))
-        ours, static, continuous = (statistics.median(seconds[k]) for k in seconds)
+            if not ct2_error:
+                try:
+                    ct2_seconds, ct2_tokens = ctranslate2_batches(*ct2, prompts, outputs, batch)
+                    if sum(map(len, ct2_tokens)) != wanted:
+                        raise RuntimeError(f"it generated {sum(map(len, ct2_tokens))} tokens, not {wanted}")
+                    seconds["ctranslate2"].append(ct2_seconds)
+                    same_ct2 = sum(a == b for a, b in zip(tokens, ct2_tokens, strict=True))
+                except Exception as e:  # record why, and go on without it
+                    ct2_error = f"{type(e).__name__}: {e}"
+                    print(f"CTranslate2 failed, and runs no more: {ct2_error}")
+                    seconds["ctranslate2"], same_ct2 = [], None
+        median = {side: statistics.median(v) if v else None for side, v in seconds.items()}
+        ours, static, continuous, ct2_time = (median[side] for side in SIDES)
         rows.append({"batch": batch, "minipaged_tps": wanted / ours, "transformers_tps": wanted / static,
-                     "transformers_cb_tps": wanted / continuous, "ratio": static / ours,
-                     "ratio_cb": continuous / ours, "outside_forward": statistics.median(outside),
-                     "identical_to_cb": same, "engine_steps": steps, "repeats": repeats,
+                     "transformers_cb_tps": wanted / continuous,
+                     "ctranslate2_tps": wanted / ct2_time if ct2_time else None,
+                     "ratio": static / ours, "ratio_cb": continuous / ours,
+                     "ratio_ct2": ct2_time / ours if ct2_time else None,
+                     "outside_forward": statistics.median(outside),
+                     "identical_to_cb": same, "identical_to_ct2": same_ct2, "engine_steps": steps, "repeats": repeats,
                      "tps_each_run": {k: [round(wanted / t, 1) for t in v] for k, v in seconds.items()},
-                     "threads": {"minipaged": threads, "transformers": threads, "transformers_cb": threads}})
-        spread = "; ".join(f"{k} {min(v):.0f}-{max(v):.0f}" for k, v in rows[-1]["tps_each_run"].items())
+                     "threads": {side: threads for side in SIDES},
+                     "loadavg_before": row_load_before, "loadavg_after": os.getloadavg()})
+        spread = "; ".join(f"{k} {min(v):.0f}-{max(v):.0f}" for k, v in rows[-1]["tps_each_run"].items() if v)
+        ct2_text = (f", CTranslate2 {wanted / ct2_time:8.1f} ({ct2_time / ours:.1f}x; {same_ct2}/{len(tokens)} "
+                    "outputs identical to minipaged's)" if ct2_time else f", CTranslate2 not run ({ct2_error})")
         print(f"batch {batch:>3}: minipaged {wanted / ours:8.1f} tokens/s ({steps} steps, "
               f"{100 * rows[-1]['outside_forward']:.0f}% outside the forward), generate {wanted / static:8.1f}, "
               f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours:.1f}x and "
-              f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching"
+              f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching" + ct2_text
               + (f" (medians of {repeats}; tokens/s ranged {spread})" if repeats > 1 else ""))
-    (results_dir / "throughput.json").write_text(json.dumps(
-        {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
-         "threads": threads, "repeats": repeats, "rows": rows}, indent=2))
-    plot(json.loads((results_dir / "throughput.json").read_text()), results_dir / "throughput.png")
+    ct2_version = None
+    try:
+        import ctranslate2
+
+        ct2_version = ctranslate2.__version__
+    except ImportError:
+        pass
+    data = {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
+            "workload": {"mean_prompt": workload["mean_prompt"], "mean_output": workload["mean_output"],
+                         "max_len": max_len, "min_prompt": 2,
+                         "mean_prompt_drawn": sum(map(len, prompts)) / len(prompts),
+                         "mean_output_drawn": wanted / len(trace)},
+            "minipaged_engine": args.engine, "async_scheduling": args.async_scheduling,
+            "ctranslate2": {"version": ct2_version, "error": ct2_error,
+                            "batching": "static: sorted by prompt length, batches of max_batch_size, a finished "
+                                        "request leaves its batch and none joins"},
+            "threads": threads, "repeats": repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "rows": rows}
+    (results_dir / f"{name}.json").write_text(json.dumps(data, indent=2))
+    plot(json.loads((results_dir / f"{name}.json").read_text()), results_dir / f"{name}.png")
     print(headline(rows))
 
 

@@ -35,8 +35,7 @@ from typing import Any
 from minipaged.common.sampler import SamplerOutput
 from minipaged.common.sampling_params import RequestOutput
 from minipaged.stage7_engine import CUMULATIVE, Request
-from minipaged.stage10_model_runner import SchedulerOutput
-from minipaged.stage10_v1_scheduler import V1Engine
+from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine
 
 InFlight = tuple[SchedulerOutput, "Future[tuple[list[Request], SamplerOutput]]"]
 

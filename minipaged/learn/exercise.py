@@ -44,10 +44,16 @@ class SolutionMarkerError(ValueError):
 
 
 def _runtime_imports(path: Path) -> set[str]:
-    """The modules a file imports at its top level, not those under ``if TYPE_CHECKING:``
-    (for ``from x import y``, both ``x`` and ``x.y``: ``y`` may be a module)."""
+    """The modules a file imports, at its top level or inside a function, not those under ``if
+    TYPE_CHECKING:`` (for ``from x import y``, both ``x`` and ``x.y``: ``y`` may be a module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for node in ast.walk(block)}
     names = set()
-    for node in ast.parse(path.read_text(), str(path)).body:
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module:
             names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
         elif isinstance(node, ast.Import):
@@ -59,8 +65,8 @@ def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, list[Path]]:
     """The modules of every stage of the package, by stage number, the stage's main file first.
 
     The main file is the one that imports the stage's other files (the scheduler imports its
-    swapping): the stage's entry, whose topic names the stage's tutorial and docs page. The
-    others follow by name.
+    swapping; V1's scheduler its runner and, when asked for, its async engine): the stage's
+    entry, whose topic names the stage's tutorial and docs page. The others follow by name.
     """
     found: dict[int, list[Path]] = {}
     for path in sorted(package_dir.glob("stage*_*.py")):
