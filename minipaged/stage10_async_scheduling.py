@@ -72,6 +72,7 @@ class AsyncV1Engine(V1Engine):
         out, future = self.in_flight
         next_out: SchedulerOutput | None = None
         try:
+            # BEGIN SOLUTION schedule N + 1 while N runs; wait for N; append its tokens; launch N + 1; then N's stops
             next_out = self.scheduler.schedule()
             requests, sampled = future.result()
             self.in_flight = None
@@ -82,6 +83,7 @@ class AsyncV1Engine(V1Engine):
                 self.launch(next_out)
             for i, r in alive:
                 self.check_stop(r, r.seqs[0], sampled.token_ids[i])
+            # END SOLUTION
         except BaseException:  # an exception or Ctrl-C: drop both steps' requests, every block back
             self.drop_steps(out, next_out)
             raise

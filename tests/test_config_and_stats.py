@@ -2,6 +2,7 @@
 model; statistics objects that the components return and LLM.stats joins."""
 
 import dataclasses
+import importlib
 
 import pytest
 
@@ -74,3 +75,13 @@ def test_the_statistics_objects_compute_their_ratios():
     stats.record_step(prefill_tokens=5, decode_tokens=2, token_slots=30, held_slots=40)
     stats.record_step(prefill_tokens=0, decode_tokens=2, token_slots=32, held_slots=40)
     assert dataclasses.astuple(stats) == (2, 5, 4, 62, 80) and stats.kv_utilization == 62 / 80
+
+
+@pytest.mark.parametrize("cls", ["stage7_engine", "stage9_prefix_caching"])
+def test_async_scheduling_is_refused_below_stage_10_and_must_be_a_flag(cls):
+    from minipaged.stage10_v1_scheduler import LLM as V1LLM
+
+    with pytest.raises(ValueError, match="async_scheduling"):
+        importlib.import_module(f"minipaged.{cls}").LLM("tiny", async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        V1LLM("tiny", async_scheduling="yes")

@@ -654,7 +654,8 @@ def test_stage10_page_ends_with_a_self_check_and_an_interview_answer():
         text = page.read_text(encoding="utf-8")
         assert 4 <= len(answers(page)) <= 6 and len(answers(page)) == len(answers(PAGE10)), page.name
         assert text.index(headings[0]) < text.index(headings[1]), page.name
-        assert [bool(bold_spans(page, i)) for i in range(len(answers(page)))] == [True] * 4 + [False]  # 5th: in words
+        bold = [bool(bold_spans(page, i)) for i in range(len(answers(page)))]
+        assert bold == [True] * 4 + [False, True]  # the 5th is answered in words
 
 
 def test_stage10_a_long_prompt_behind_three_decodes():
@@ -707,3 +708,21 @@ def test_stage10_the_newest_running_request_is_preempted():
         out = v1_step(scheduler)
     assert list(out.num_scheduled_tokens)[0] == "A"
     check10(3, out.preempted[0].request_id)
+
+
+def test_stage10_async_scheduling_computes_one_token_more_when_a_stop_token_comes():
+    from minipaged.stage10_v1_scheduler import LLM
+
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = LLM("tiny").generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[2] not in tokens[:2]  # the third token is the first stop
+    stop = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[tokens[2]])
+    computed, outs = [], []
+    for flag in (False, True):
+        llm = LLM("tiny", async_scheduling=flag)
+        outs.append(llm.generate([prompt], stop, use_tqdm=False)[0].outputs[0])
+        assert llm.engine.step() == []  # a step still in flight is done and counted; nothing else runs
+        computed.append(llm.stats.prefill_tokens + llm.stats.decode_tokens)
+    assert outs[0].token_ids == outs[1].token_ids == tokens[:3] and outs[1].finish_reason == "stop"
+    check10(5, computed[1] - computed[0])

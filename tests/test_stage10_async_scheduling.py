@@ -6,9 +6,7 @@ import pytest
 import torch
 from test_stage10_v1_scheduler import assert_same
 
-from minipaged.stage7_engine import LLM as Stage7LLM
 from minipaged.stage7_engine import SamplingParams
-from minipaged.stage9_prefix_caching import LLM as Stage9LLM
 from minipaged.stage10_v1_scheduler import LLM
 
 pytestmark = pytest.mark.stage10
@@ -128,11 +126,3 @@ def test_an_exception_in_either_step_leaves_the_engine_usable_with_every_block_b
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     # the runner holds a row only for a request it will be told to drop at the next step: none is lost
     assert set(llm.engine.runner.input_batch.req_ids) <= set(llm.scheduler.finished_req_ids)
-
-
-@pytest.mark.parametrize("cls", [Stage7LLM, Stage9LLM])
-def test_async_scheduling_is_refused_below_stage_10_and_must_be_a_flag(cls):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        cls("tiny", async_scheduling=True)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM("tiny", async_scheduling="yes")

