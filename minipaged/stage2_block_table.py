@@ -211,7 +211,7 @@ class BlockSpaceManager:
 
 
 class PagedKVCache:
-    """The K/V tensors, per layer ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    """The K/V tensors, per layer ``(num_blocks, block_size, num_kv_heads, head_dim)``, on ``device``."""
 
     def __init__(
         self,

@@ -38,7 +38,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
     In this order, each on the result of the one before: logits are divided by the
     temperature (the kept logits are the divided ones); ``top_k > 0`` keeps the ``top_k``
-    largest (every token tied with the k-th value kept); ``top_p < 1`` keeps the smallest set
+    largest (every token tied with the k-th value kept; a ``top_k`` of the vocabulary's size or more
+    keeps every token); ``top_p < 1`` keeps the smallest set
     of most likely tokens whose probability — the softmax of what top-k left — reaches
     ``top_p``: the token that crosses it is kept, so a tiny ``top_p`` keeps exactly the most
     likely token; among tokens tied in probability only as many as the set needs are kept

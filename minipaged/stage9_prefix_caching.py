@@ -47,7 +47,8 @@ ROOT = bytes(32)  # the parent hash of a first block
 
 
 def block_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """The name of a full block: SHA-256 of its parent's hash and its own token ids."""
+    """The name of a full block: SHA-256 of its parent's hash and its own token ids, each as an 8-byte
+    integer, so that token ids never run together (``[1, 23]`` and ``[12, 3]`` get different names)."""
     # BEGIN SOLUTION hash the parent's 32 bytes, then the token ids as 8-byte integers
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
     # END SOLUTION

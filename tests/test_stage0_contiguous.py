@@ -323,3 +323,12 @@ def test_every_policy_reserves_at_least_what_is_needed(prompt, output, policy):
     assert prompt + output <= size <= 80
     if policy == "pow2" and size < 80:
         assert size & (size - 1) == 0 and size < 2 * (prompt + output)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 112, 128])
+def test_the_default_scale_is_one_over_the_square_root_of_head_dim(head_dim):
+    """Head dims of real models that are not perfect squares: the default is exactly 1 / sqrt(head_dim)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(n, 2, head_dim, generator=gen) * 3 for n in (3, 7, 7))
+    assert torch.equal(dense_attention(q, k, v), dense_attention(q, k, v, scale=head_dim**-0.5))
+    assert not torch.equal(dense_attention(q, k, v), dense_attention(q, k, v, scale=1 / round(head_dim**0.5)))

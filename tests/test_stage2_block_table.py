@@ -210,3 +210,24 @@ def test_slot_of_refuses_positions_outside_the_sequence():
     for position in (6, 7, -1, 8):  # past the last token (even inside its last block), or before the first
         with pytest.raises(IndexError):
             manager.slot_of("a", position)
+
+
+def test_gather_never_reads_the_table_entry_past_an_exactly_full_last_block():
+    cache = PagedKVCache(1, 4, 4, 1, 2)
+    cache.key_cache[0].copy_(torch.arange(4 * 4 * 2, dtype=torch.float32).view(4, 4, 1, 2))
+    cache.value_cache[0].copy_(cache.key_cache[0] + 100)
+    table = torch.tensor([2, 0, 99])  # 99: a poisoned entry, past the sequence's 2 blocks
+    keys, values = cache.gather(0, table, 8)  # 8 tokens: both blocks exactly full
+    assert torch.equal(keys, torch.cat([cache.key_cache[0][2], cache.key_cache[0][0]]))
+    assert torch.equal(values, keys + 100)
+
+
+def test_the_cache_lives_on_the_device_asked_for():
+    cache = PagedKVCache(2, 4, 4, 1, 2, device="meta")  # "meta" shows it without a GPU
+    assert all(t.device.type == "meta" for t in cache.key_cache + cache.value_cache)
+
+
+def test_allocate_says_how_many_prompt_tokens_are_computed_none_here():
+    manager = BlockSpaceManager(BlockAllocator(8), 4)
+    assert manager.allocate("a", list(range(10))) == 0
+    assert manager.allocate("b", [1]) == 0

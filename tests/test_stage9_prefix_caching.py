@@ -270,3 +270,12 @@ def test_the_walk_stops_at_the_first_miss():
     batches = [[block + tokens(8, 5)], [other + block + tokens(9, 5)]]
     assert run(cached, batches) == run(plain, batches)
     assert cached.stats.prefix_cache_hits == 0
+
+
+def test_a_blocks_name_never_runs_its_token_ids_together():
+    from minipaged.stage9_prefix_caching import ROOT, block_hash
+
+    assert block_hash(ROOT, [1, 23]) != block_hash(ROOT, [12, 3])
+    assert block_hash(ROOT, [1, 2, 3]) != block_hash(ROOT, [12, 3, 0])
+    parent = block_hash(ROOT, [5, 6])
+    assert block_hash(parent, [7, 89]) != block_hash(parent, [78, 9])

@@ -57,6 +57,9 @@ _RECORD = ("            for i, r in alive:\n                self.record_token(r,
 _LAUNCH = "            if next_out.total_num_scheduled_tokens:\n                self.launch(next_out)\n"
 CATALOGUE: list[Mutant] = [
     # stage 0: the contiguous cache
+    m(0, "the default scale rounds the square root of head_dim", (
+        "scale = head_dim**-0.5 if scale is None else scale",
+        "scale = 1 / round(head_dim**0.5) if scale is None else scale")),
     m(0, "pow2 rounds down", ("return min(1 << (need - 1).bit_length(), self.max_model_len)",
                               "return min(1 << (need.bit_length() - 1), self.max_model_len)")),
     m(0, "oracle reserves the prompt only", ("        return need\n", "        return prompt_len\n")),
@@ -137,6 +140,15 @@ CATALOGUE: list[Mutant] = [
         "return self.table(seq_id).num_tokens % self.block_size != 0 or self.num_free_blocks > 0",
         "return self.table(seq_id).num_tokens <= len(self.table(seq_id).block_ids) * self.block_size"
         " or self.num_free_blocks > 0")),
+    m(2, "gather reads the table entry past an exactly full last block", (
+        "num_blocks = -(-seq_len // key_cache.shape[1])", "num_blocks = seq_len // key_cache.shape[1] + 1")),
+    m(2, "the cache ignores the device asked for", (
+        "self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]",
+        "self.key_cache = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]")),
+    m(2, "allocate says the whole prompt is computed", (
+        "self.block_tables[seq_id] = BlockTable(self.allocator.allocate(needed), len(token_ids))\n        return 0",
+        "self.block_tables[seq_id] = BlockTable(self.allocator.allocate(needed), len(token_ids))\n"
+        "        return len(token_ids)")),
     m(2, "write skips slot 0", ("keep = slot_mapping >= 0", "keep = slot_mapping > 0")),
     m(2, "gather misses the last block when it is exactly full", (
         "num_blocks = -(-seq_len // key_cache.shape[1])",
@@ -270,6 +282,8 @@ CATALOGUE: list[Mutant] = [
         "kth = torch.topk(logits, params.top_k).values[-1]\n        logits = logits.masked_fill(logits < kth - 1")),
     m(7, "top-p drops the token that crosses it", ("drop = probs.cumsum(-1) - probs >= params.top_p",
                                                    "drop = probs.cumsum(-1) >= params.top_p")),
+    m(7, "a top_k beyond the vocabulary is passed to topk", ("if 0 < params.top_k < logits.numel():",
+                                                            "if params.top_k > 0:")),
     m(7, "greedy takes the least likely", ("return int(torch.argmax(logits))", "return int(torch.argmin(logits))")),
     m(7, "positions start at one", ("positions += range(len(seq) - n, len(seq))",
                                     "positions += range(len(seq) - n + 1, len(seq) + 1)")),
@@ -314,6 +328,9 @@ CATALOGUE: list[Mutant] = [
     m(9, "the hash ignores the parent", (
         "return hashlib.sha256(parent_hash + array(\"q\", token_ids).tobytes()).digest()",
         "return hashlib.sha256(array(\"q\", token_ids).tobytes()).digest()")),
+    m(9, "the hash runs the token ids together", (
+        "return hashlib.sha256(parent_hash + array(\"q\", token_ids).tobytes()).digest()",
+        "return hashlib.sha256(parent_hash + \"\".join(map(str, token_ids)).encode()).digest()")),
     m(9, "LRU evicts the most recently freed", ("block_id, _ = self.evictor.popitem(last=False)",
                                                 "block_id, _ = self.evictor.popitem(last=True)")),
     m(9, "an evicted block keeps its hash", ("            del self.cached[self.hash_of.pop(block_id)]\n", "")),
