@@ -104,7 +104,7 @@ class SharingEngine(LLMEngine):
         return request
 
     def fork(self, request: Request, parent: SampledSequence, index: int) -> SampledSequence:
-        """A new running sequence of ``request``: the parent's tokens, computed count and log-probabilities,
+        """A new running sequence of ``request``: the parent's tokens, computed count and log-probabilities (a copy),
         its blocks shared through the block manager's ``fork``, and a generator seeded ``seed + index``."""
         # BEGIN SOLUTION copy the tokens and sampling state, fork the block table, join the group
         child = self.new_sequence(request, parent.prompt_token_ids, index)
@@ -120,7 +120,8 @@ class SharingEngine(LLMEngine):
                         chosen: list[float], top: list[dict[int, float] | None], logits: torch.Tensor) -> None:
         """As stage 7, after one rule: when a request of ``n`` samples has prefilled its prompt (one
         sequence so far), fork ``n - 1`` samples first — sample ``i`` seeded ``seed + i`` draws its first
-        token from the same logits, greedy samples take the same token — then append every token.
+        token from the same logits, greedy samples take the same token — then append every token. It forks
+        once: a sample that stops early is not replaced.
         A beam request goes to ``advance_beams``."""
         if isinstance(request, BeamRequest):
             return self.advance_beams(request, seqs, torch.log_softmax(logits, dim=-1))

@@ -161,3 +161,21 @@ def test_bad_beam_search_requests_are_refused(checkpoints):
         llm.beam_search([{"prompt_token_ids": [1] * 10}], BeamSearchParams(4, 10))  # 4 x 5 blocks > 8
     assert not llm.engine.has_unfinished_requests() and llm.scheduler.block_manager.num_free_blocks == 8
     assert llm.beam_search([{"prompt_token_ids": [1, 2]}], BeamSearchParams(1, 3, ignore_eos=True))[0].sequences
+
+
+def test_samples_fork_once_and_keep_their_own_log_probabilities():
+    """A sample that stops early is not forked again; each sample's logprobs are its own list."""
+    prompt = {"prompt_token_ids": [21, 22, 23, 24, 25]}
+    seeded = [SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i, ignore_eos=True, logprobs=1) for i in range(3)]
+    alone = [o.outputs[0].token_ids for o in UnsharedLLM("tiny").generate([prompt] * 3, seeded, use_tqdm=False)]
+    stop = alone[0][1]  # sample 0 stops at its second token; the others go on, or stop where the same token comes
+    unshared = UnsharedLLM("tiny").generate(
+        [prompt] * 3, [SamplingParams(**{**vars(p), "stop_token_ids": [stop]}) for p in seeded], use_tqdm=False)
+    out = LLM("tiny").generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True,
+                                                        logprobs=1, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in unshared]
+    assert len(out.outputs[0].token_ids) == 2 < max(len(c.token_ids) for c in out.outputs)
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(token in step for token, step in zip(c.token_ids, c.logprobs, strict=True))
+    assert len({id(c.logprobs) for c in out.outputs}) == 3

@@ -322,6 +322,12 @@ CATALOGUE: list[Mutant] = [
         "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
     m(8, "an ending candidate past the width is kept", ("if ends and rank < width and heuristic_ok:",
                                                         "if ends and heuristic_ok:")),
+    m(8, "a sample that stops early is forked again", (
+        "if len(request.seqs) < request.width:",
+        "if len(request.seqs_with(SequenceStatus.RUNNING)) < request.width:")),
+    m(8, "a child shares its parent's list of log-probabilities", (
+        "child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)",
+        "child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, parent.logprobs")),
     m(8, "forks one sample too few", ("for index in range(1, request.width):",
                                       "for index in range(2, request.width):")),
     # stage 9: prefix caching
