@@ -3,21 +3,12 @@
 import random
 
 import pytest
-import torch
-from test_stage10_v1_scheduler import assert_same
+from test_stage10_v1_scheduler import assert_same, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 from minipaged.stage7_engine import SamplingParams
 from minipaged.stage10_v1_scheduler import LLM
 
 pytestmark = pytest.mark.stage10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def workload(seed, n=14):
