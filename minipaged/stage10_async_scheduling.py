@@ -30,14 +30,23 @@ pass still running finishes in the worker before any other starts, its result dr
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from minipaged.common.sampler import SamplerOutput
 from minipaged.common.sampling_params import RequestOutput
 from minipaged.stage7_engine import CUMULATIVE, Request
-from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine
+from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine, prompt_logprob_rows
 
-InFlight = tuple[SchedulerOutput, "Future[tuple[list[Request], SamplerOutput]]"]
+
+class InFlight(NamedTuple):
+    """The step running in the worker: what was scheduled, the prompt positions it computes for
+    ``prompt_logprobs``, and its result to come."""
+
+    out: SchedulerOutput
+    prompt_rows: list[tuple[Request, range]]
+    future: Future[tuple[list[Request], SamplerOutput, torch.Tensor]]
 
 
 class AsyncV1Engine(V1Engine):
@@ -48,16 +57,19 @@ class AsyncV1Engine(V1Engine):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-forward")  # one step at a time
         self.in_flight: InFlight | None = None
 
-    def forward_and_sample(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
-        """The worker's part of a step: the forward pass, then the sampler on the rows that sample."""
+    def forward_and_sample(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput, torch.Tensor]:
+        """The worker's part of a step: the forward pass, then the sampler on the rows that sample;
+        the logits of the prompt positions asked for come back as they are."""
         by_id = {r.request_id: r for r in out.scheduled}
         req_ids, logits = self.runner.execute_model(out)
         requests = [by_id[r] for r in req_ids]
-        return requests, self.sampler(logits, [r.seqs[0] for r in requests], [r.params for r in requests])
+        n = len(requests)
+        sampled = self.sampler(logits[:n], [r.seqs[0] for r in requests], [r.params for r in requests])
+        return requests, sampled, logits[n:]
 
     def launch(self, out: SchedulerOutput) -> None:
         self.scheduler.add_sampled_tokens(out)
-        self.in_flight = (out, self.worker.submit(self.forward_and_sample, out))
+        self.in_flight = InFlight(out, prompt_logprob_rows(out), self.worker.submit(self.forward_and_sample, out))
 
     def step(self) -> list[RequestOutput]:
         """Schedule the next step while this one runs; return this one's outputs."""
@@ -69,13 +81,14 @@ class AsyncV1Engine(V1Engine):
                 return []
             self.launch(first)
         assert self.in_flight is not None
-        out, future = self.in_flight
+        out, prompt_rows, future = self.in_flight
         next_out: SchedulerOutput | None = None
         try:
             # BEGIN SOLUTION schedule N + 1 while N runs; wait for N; append its tokens; launch N + 1; then N's stops
             next_out = self.scheduler.schedule()
-            requests, sampled = future.result()
+            requests, sampled, prompt_logits = future.result()
             self.in_flight = None
+            self.record_prompt_logprobs(prompt_rows, prompt_logits)
             alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]  # ended or aborted since: dropped
             for i, r in alive:
                 self.record_token(r, r.seqs[0], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])

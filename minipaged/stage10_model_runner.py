@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.models import AttentionMetadata, CausalLM
 from minipaged.stage2_block_table import PagedKVCache
 
@@ -124,7 +125,8 @@ class V1ModelRunner:
         """One forward pass: the ids of the requests that sample, and their ``(n, vocab)`` float32 logits.
 
         A request samples when its tokens are all computed after this step; a request whose
-        prompt is not finished yet produces no logits.
+        prompt is not finished yet produces no logits. After those rows come the prompt
+        positions of the requests that ask for ``prompt_logprobs`` (``prompt_logits_indices``).
         """
         batch, size, num_reqs = self.input_batch, self.block_size, len(out.num_scheduled_tokens)
         for req_id in out.finished_req_ids + out.preempted_req_ids:
@@ -150,11 +152,25 @@ class V1ModelRunner:
                 np.concatenate([[0], ends]).astype(np.int32)).to(self.device),
             backend=self.backend,
         )
+        done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
+        logits_indices = np.concatenate([(ends - 1)[done],
+                                         self.prompt_logits_indices(out, batch.num_computed_tokens[rows], ends)])
         with torch.inference_mode():
             hidden = self.model(torch.from_numpy(token_ids).to(self.device),
                                 torch.from_numpy(positions).to(self.device), self.cache, meta)
             batch.num_computed_tokens[rows] = seq_lens
-            done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
-            logits = self.model.compute_logits(hidden[torch.from_numpy((ends - 1)[done]).to(self.device)]).float()
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)]).float()
         return [r for r, d in zip(out.num_scheduled_tokens, done.tolist(), strict=True) if d], logits
         # END SOLUTION
+
+    def prompt_logits_indices(self, out: SchedulerOutput, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The flat indices of the prompt positions this step computes for the requests asking for
+        ``prompt_logprobs`` (``starts``: each request's computed tokens before the step), in order."""
+        indices: list[int] = []
+        for i, request in enumerate(out.scheduled):
+            if request.params.prompt_logprobs is not None:
+                n, start = int(out.num_scheduled_tokens[request.request_id]), int(starts[i])
+                first = int(ends[i]) - n  # the flat index of the request's first new token
+                positions = prompt_logprob_positions(start, n, len(request.seqs[0].prompt_token_ids))
+                indices += range(first, first + len(positions))
+        return np.array(indices, dtype=np.int64)

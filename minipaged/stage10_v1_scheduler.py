@@ -40,13 +40,14 @@ from minipaged import stage9_prefix_caching
 from minipaged.common.checks import check_int
 from minipaged.common.config import ResolvedEngineConfig
 from minipaged.common.processor import Prompt
+from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.common.stats import SchedulerStats
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage7_engine import LLMEngine, Request
 from minipaged.stage8_sharing import BeamSearchOutput
-from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
+from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager, skip_cache_reads_for_prompt_logprobs
 from minipaged.stage10_model_runner import (
     CachedRequestData,
     NewRequestData,
@@ -298,6 +299,20 @@ class V1Scheduler:
         self.num_tokens_sent[request.request_id] = len(request.seqs[0])
 
 
+def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[Request, range]]:
+    """The requests of a step that asked for ``prompt_logprobs``, with the prompt positions it
+    computes for them, in order (as the runner orders their rows). Read right after ``schedule``,
+    which has already counted the step's tokens computed."""
+    rows = []
+    for request in out.scheduled:
+        if request.params.prompt_logprobs is not None:
+            seq, n = request.seqs[0], out.num_scheduled_tokens[request.request_id]
+            positions = prompt_logprob_positions(seq.num_computed_tokens - n, n, len(seq.prompt_token_ids))
+            if positions:
+                rows.append((request, positions))
+    return rows
+
+
 class V1Engine(LLMEngine):
     """Stage 7's engine, stepping V1's scheduler and runner: schedule, execute, sample, update.
 
@@ -315,12 +330,20 @@ class V1Engine(LLMEngine):
             raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
         return super().add_request(request_id, prompt, params)
 
+    def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
+                     seed: int) -> Request:
+        request = super().make_request(request_id, text, ids, params, seed)
+        skip_cache_reads_for_prompt_logprobs(self.scheduler.block_manager, request.seqs, params)
+        return request
+
     def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
         """Run the step; sample for the requests that finished their prompt: those, in order."""
+        prompt_rows = prompt_logprob_rows(out)
         req_ids, logits = self.runner.execute_model(out)
+        self.record_prompt_logprobs(prompt_rows, logits[len(req_ids):])
         requests = [self.requests[r] for r in req_ids]
         seqs = [r.seqs[0] for r in requests]
-        sampled = self.sampler(logits, seqs, [r.params for r in requests])
+        sampled = self.sampler(logits[:len(req_ids)], seqs, [r.params for r in requests])
         for i, request in enumerate(requests):
             self.append_token(request, seqs[i], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
         self.last_scheduler_output = out  # kept for pictures of the steps

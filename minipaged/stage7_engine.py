@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from minipaged.common.config import EngineConfig, ResolvedEngineConfig
 from minipaged.common.detokenizer import IncrementalDetokenizer
 from minipaged.common.processor import Processor, Prompt
+from minipaged.common.prompt_logprobs import fill_prompt_logprobs
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import (
     CompletionOutput,
@@ -55,7 +56,7 @@ from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
-from minipaged.stage7_model_runner import ModelRunner, Runner
+from minipaged.stage7_model_runner import ModelRunner, Runner, prompt_logprob_rows
 
 CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
@@ -81,6 +82,7 @@ class Request(SequenceGroup[SampledSequence]):
     prompt: str | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs: one per prompt token
 
 
 class LLMEngine:
@@ -167,7 +169,9 @@ class LLMEngine:
         seqs = cast("list[SampledSequence]", [s for s, _ in out.scheduled])
         sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in groups]
         params = [g.params for g, k in zip(groups, sizes, strict=True) for _ in range(k)]
-        logits = self.runner.execute(out)
+        logits = self.runner.execute(out)  # (len(seqs) + prompt positions asked for, vocab)
+        self.record_prompt_logprobs([(r, p) for r, p, _ in prompt_logprob_rows(out)], logits[len(seqs):])
+        logits = logits[:len(seqs)]
         sampled = self.sampler(logits, seqs, params)
         start = 0
         for group, k in zip(groups, sizes, strict=True):
@@ -176,6 +180,19 @@ class LLMEngine:
                                  sampled.top_logprobs[rows], logits[rows])
             start += k
         return groups
+
+    def record_prompt_logprobs(self, rows: list[tuple[Request, range]], logits: torch.Tensor) -> None:
+        """The prompt log-probabilities of a step's prompt positions (``logits``: their rows, in the
+        order of ``rows``), written into each request's list; positions computed again (after a
+        preemption by recompute) are written again, with the same values."""
+        at = 0
+        for request, positions in rows:
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None] * len(request.seqs[0].prompt_token_ids)
+            k = request.params.prompt_logprobs or 0
+            fill_prompt_logprobs(request.prompt_logprobs, logits[at:at + len(positions)],
+                                 request.seqs[0].prompt_token_ids, positions, k)
+            at += len(positions)
 
     def requests_touched(self, out: SchedulerOutput) -> list[Request]:
         """The requests a failed step may have left half done: the scheduled and the preempted."""
@@ -238,7 +255,11 @@ class LLMEngine:
                                     list(s.output_token_ids), s.cumulative_logprob, s.finish_reason,
                                     s.logprobs if request.params.logprobs is not None else None, s.stop_reason)
                    for i, s in enumerate(request.seqs)]
-        return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs, done)
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None:  # a one-token prompt has no position to score
+            prompt_logprobs = list(request.prompt_logprobs or [None] * len(request.seqs[0].prompt_token_ids))
+        return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs, done,
+                             prompt_logprobs)
 
 
 class LLM:
@@ -265,7 +286,7 @@ class LLM:
         self.cache = SwapPagedKVCache(mc.num_layers, config.num_gpu_blocks, config.block_size, mc.num_kv_heads,
                                       mc.head_dim, self.dtype, self.device, config.num_cpu_blocks)
         eos_ids = load_eos_token_ids(path)
-        self.engine = self.engine_class(self.scheduler, self.build_runner(), Sampler(eos_ids),
+        self.engine = self.engine_class(self.scheduler, self.build_runner(), Sampler(eos_ids, config.logprobs_mode),
                                         tokenizer=self.tokenizer, eos_token_ids=eos_ids,
                                         vocab_size=mc.vocab_size, seed=config.seed)
         self._request_ids = itertools.count()

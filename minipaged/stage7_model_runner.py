@@ -20,17 +20,21 @@ once, each row with its own parameters and generator, and is tested equal to it 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, CausalLM
 from minipaged.stage6_scheduler import SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
-__all__ = ["ModelRunner", "Runner", "Sampler", "process_logits", "sample"]  # Sampler: the batched one, re-exported
+if TYPE_CHECKING:  # the engine's requests, named in annotations only
+    from minipaged.stage7_engine import Request
+
+__all__ = ["ModelRunner", "Runner", "Sampler", "process_logits", "prompt_logprob_rows", "sample"]
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -70,6 +74,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # END SOLUTION
 
 
+def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[Request, range, int]]:
+    """The requests of a step that asked for ``prompt_logprobs`` and compute prompt positions in
+    it: ``(request, positions, index of the first position's token in the flat batch)``, in order.
+
+    A request's first sequence computes its prompt (the others of a group share or repeat it)."""
+    rows, offset = [], 0
+    firsts = {id(g.seqs[0]): cast("Request", g) for g in out.scheduled_groups
+              if cast("Request", g).params.prompt_logprobs is not None}
+    for seq, n in out.scheduled:
+        if id(seq) in firsts:
+            start = len(seq) - n
+            positions = prompt_logprob_positions(start, n, len(seq.prompt_token_ids))
+            if positions:
+                rows.append((firsts[id(seq)], positions, offset))
+        offset += n
+    return rows
+
+
 class Runner(Protocol):
     """What the engine asks of a runner: ``ModelRunner``, or a stand-in without a model (``minipaged.perf``)."""
 
@@ -92,7 +114,8 @@ class ModelRunner:
         ``n`` new tokens contributes its last ``n`` token ids at positions ``len - n .. len - 1``;
         their K/V go to the block manager's ``slot_mapping``; attention reads through
         ``block_tables_tensor`` and ``seq_lens`` (``query_start_loc`` when any sequence has more
-        than one new token). Each sequence's row is the logits of its last token.
+        than one new token). Each sequence's row is the logits of its last token:
+        ``compute_logits(out, hidden, logits_indices)`` takes them from the hidden states.
         """
         # BEGIN SOLUTION block moves first; flatten the new tokens; slot mapping, tables, lengths; forward
         self.cache.swap_out(out.blocks_to_swap_out)
@@ -117,5 +140,13 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                                 self.cache, meta)
-            return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()
+        return self.compute_logits(out, hidden, ends - 1)
         # END SOLUTION
+
+    def compute_logits(self, out: SchedulerOutput, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the flat tokens ``logits_indices`` (one per sequence), then of the prompt
+        positions of the requests that ask for ``prompt_logprobs`` (``prompt_logprob_rows``)."""
+        extra = [offset + p - positions.start for _, positions, offset in prompt_logprob_rows(out) for p in positions]
+        rows = torch.cat([logits_indices.to(torch.int64), torch.tensor(extra, dtype=torch.int64)])
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden[rows.to(self.device)]).float()

@@ -18,6 +18,9 @@ block manager that is given it:
   through here: new prompts, recomputed ones, parallel samples and beams.
 * A block becomes findable once its K/V are surely written: when its sequence appends
   its next token, after the step that computed it succeeded.
+* A request that asks for ``prompt_logprobs`` reads no cached block (vLLM V1's rule): a
+  cached position's K/V are there but its logits are not, so its whole prompt is computed.
+  Its blocks are cached for the requests after it as usual.
 * A cached block whose last reference goes **keeps its contents and its hash**: it waits
   in an evictor, still findable, until a block is needed and none is free; then the least
   recently freed goes first — and since a sequence frees its last blocks first, a shared
@@ -32,11 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from minipaged import stage8_sharing
+from minipaged.common.sampling_params import SamplingParams
+from minipaged.common.sequence import Sequence as Seq
 from minipaged.common.stats import PrefixCacheStats, Stats
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage2_block_table import BlockTable
@@ -156,17 +162,25 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
                  cpu_allocator: RefCountedBlockAllocator | None = None) -> None:
         super().__init__(allocator, block_size, cpu_allocator)
         self.uncached: dict[Hashable, tuple[list[int], int, bytes]] = {}  # seq -> (tokens, blocks cached, last hash)
+        self.uncached_reads: weakref.WeakValueDictionary[Hashable, Seq] = weakref.WeakValueDictionary()
+
+    def skip_cache_reads(self, seq: Seq) -> None:
+        """``seq`` reads no cached block, for as long as it lives (its prompt is computed whole each
+        time it is allocated, after a preemption too)."""
+        self.uncached_reads[seq.seq_id] = seq
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Take the cached blocks of the prompt's prefix, new ones for the rest; return the tokens reused.
 
         The walk hashes the full blocks in order, chaining each hash on the one before, and
         stops at the first miss; the block holding the last token is never looked up (its
-        logits are needed). A refused call (``OutOfBlocksError``) gives back what it took.
+        logits are needed). A sequence that ``skip_cache_reads`` looks nothing up. A refused call
+        (``OutOfBlocksError``) gives back what it took.
         """
         size, needed, hits, digest = self.block_size, self.check_new(seq_id, len(token_ids)), [], ROOT
         # BEGIN SOLUTION follow the chain of hashes over the full blocks before the last token's block
-        for start in range(0, (len(token_ids) - 1) // size * size, size):
+        reads = 0 if seq_id in self.uncached_reads else (len(token_ids) - 1) // size * size
+        for start in range(0, reads, size):
             candidate = block_hash(digest, token_ids[start:start + size])
             block_id = self.allocator.lookup(candidate)
             if block_id is None:
@@ -205,8 +219,27 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         super().free(seq_id)
 
 
+def skip_cache_reads_for_prompt_logprobs(block_manager: object, seqs: Iterable[Seq], params: SamplingParams) -> None:
+    """A request asking for ``prompt_logprobs`` reads no cached block: its sequences are told so."""
+    if params.prompt_logprobs is not None and isinstance(block_manager, PrefixCachingBlockSpaceManager):
+        for seq in seqs:
+            block_manager.skip_cache_reads(seq)
+
+
+class PrefixCachingEngine(stage8_sharing.SharingEngine):
+    """Stage 8's engine; its requests that ask for ``prompt_logprobs`` read no cached block."""
+
+    def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
+                     seed: int) -> stage8_sharing.Request:
+        request = super().make_request(request_id, text, ids, params, seed)
+        skip_cache_reads_for_prompt_logprobs(self.scheduler.block_manager, request.seqs, params)
+        return request
+
+
 class LLM(stage8_sharing.LLM):
     """The whole engine: ``LLM(enable_prefix_caching=True)`` reuses cached prefixes."""
+
+    engine_class: type[stage8_sharing.LLMEngine] = PrefixCachingEngine
 
     def build_block_manager(self) -> SwapBlockSpaceManager:
         c = self.config

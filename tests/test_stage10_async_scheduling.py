@@ -78,7 +78,7 @@ def test_a_prompts_first_decode_waits_for_the_step_that_computes_its_prompt():
     first = engine.scheduler.schedule()
     engine.launch(first)  # the prompt's step, in flight
     assert "a" not in engine.scheduler.schedule().num_scheduled_tokens
-    engine.in_flight[1].result()
+    engine.in_flight.future.result()
 
 
 def test_a_stopped_request_gets_no_token_from_the_step_it_was_scheduled_in_after_stopping():

@@ -271,6 +271,30 @@ def test_a_chunked_prefill_writes_the_same_kv_and_logits_as_a_whole_one():
                                                                **tolerances.logprobs(llm.model_config, 45))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_come_chunk_by_chunk_equal_to_stage_7s_and_read_no_cached_block(async_scheduling):
+    """Any budget: each chunk's positions give their rows, and together they are stage 7's whole
+    prompt (which stage 7's tests hold equal to transformers'). A cached prefix is not read."""
+    from minipaged.stage7_engine import LLM as Stage7LLM
+
+    prompts = [tokens(12, 45), tokens(13, 9), tokens(12, 30) + tokens(14, 5)]  # the third shares 28 tokens
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    whole = Stage7LLM("tiny").generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tol = tolerances.logprobs(LLM("tiny").model_config, 45)
+    for budget in (1, 7, 4096):
+        llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=budget,
+                  async_scheduling=async_scheduling)
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2), use_tqdm=False)  # cached now
+        hits = llm.stats.prefix_cache_hits
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.stats.prefix_cache_hits == hits
+        for ours, theirs in zip(got, whole, strict=True):
+            assert ours.prompt_logprobs[0] is None and theirs.prompt_logprobs[0] is None
+            for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True):
+                assert a.keys() == b.keys()
+                assert [a[t] for t in b] == pytest.approx(list(b.values()), **tol)
+
+
 def test_the_persistent_batch_keeps_its_arrays_and_applies_only_the_differences():
     llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=6)
     batch, manager = llm.engine.runner.input_batch, llm.scheduler.block_manager

@@ -127,6 +127,55 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoints, name):
     assert_equal_to_hf(llm, hf_model, prompts_for(256, seed=len(name)), steps=32)
 
 
+def assert_prompt_logprobs_equal_hf(llm, hf_model, prompts, k=2):
+    """Prompt log-probabilities (raw: the model's log-softmax) equal ``model(ids).logits.log_softmax``."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # (len, vocab)
+        tol = tolerances.logprobs(llm.model_config, len(prompt))
+        assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+        for i, ours in enumerate(output.prompt_logprobs[1:], start=1):
+            assert prompt[i] in ours and len(ours) in (k, k + 1)  # the prompt's token, and the top k
+            assert list(ours.values()) == pytest.approx([ref[i - 1, t].item() for t in ours], **tol)
+            kth = torch.topk(ref[i - 1], k).values[-1].item()
+            assert all(v >= kth - tol["abs"] * max(1, abs(kth)) for t, v in ours.items() if t != prompt[i])
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_prompt_logprobs_equal_transformers(checkpoints, name):
+    path, hf_model = checkpoints[name]
+    llm = LLM(str(path), num_gpu_blocks=64, block_size=8)
+    assert_prompt_logprobs_equal_hf(llm, hf_model, prompts_for(256, seed=len(name)))
+
+
+def test_prompt_logprobs_are_asked_for_and_other_requests_get_none():
+    llm = LLM("tiny")
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [8, 9, 10]}]
+    params = [SamplingParams(max_tokens=2, prompt_logprobs=0), SamplingParams(max_tokens=2)]
+    asked, plain = llm.generate(prompts, params, use_tqdm=False)
+    assert plain.prompt_logprobs is None
+    assert [None if d is None else list(d) for d in asked.prompt_logprobs] == [None, [17], [99], [3]]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_are_the_models_unless_processed_ones_are_asked_for(mode):
+    """A +100 ``logit_bias`` makes token 7 certain: processed, its log-probability is 0; raw (the
+    default, vLLM V1's), it is what the model gives it, as in a request without the bias."""
+    kwargs = {} if mode == "raw_logprobs" else {"logprobs_mode": mode}
+    llm = LLM("tiny", **kwargs)
+    prompt = {"prompt_token_ids": [5, 17, 99, 3]}
+    biased = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logit_bias={7: 100.0}, logprobs=1),
+                          use_tqdm=False)[0].outputs[0]
+    scored = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"] + [7]},  # the model's, unbiased
+                          SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert biased.token_ids == [7]
+    want = 0.0 if mode == "processed_logprobs" else scored.prompt_logprobs[-1][7]
+    assert biased.logprobs[0][7] == pytest.approx(want, abs=1e-5)
+    assert biased.cumulative_logprob == pytest.approx(want, abs=1e-5)
+
+
 def test_the_triton_backend_equals_transformers_too(checkpoints):
     path, hf_model = checkpoints["qwen2"]
     llm = LLM(str(path), num_gpu_blocks=64, block_size=8, attention_backend="triton")

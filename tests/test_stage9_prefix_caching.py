@@ -123,6 +123,21 @@ def test_the_prefill_of_a_cached_prefix_is_skipped():
     assert llm.stats.prefix_cache_hits == 4
 
 
+def test_a_request_asking_for_prompt_logprobs_reads_no_cached_block_and_gets_every_position():
+    """vLLM V1's rule: a cached position has K/V but no logits, so such a request computes its prompt
+    whole; its values equal those of the first request, which found nothing cached."""
+    llm = LLM("tiny", num_gpu_blocks=64, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": SYSTEM + [5, 6, 7]}
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)  # a second token: blocks cached
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    hits, before = llm.stats.prefix_cache_hits, llm.stats.prefill_tokens
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.stats.prefix_cache_hits == hits and llm.stats.prefill_tokens - before == len(SYSTEM) + 3
+    assert again.prompt_logprobs == first.prompt_logprobs  # the same computation: bitwise the same
+    plain = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]  # its blocks were cached
+    assert plain.prompt_logprobs is None and llm.stats.prefix_cache_hits > hits
+
+
 def test_the_hash_names_the_whole_prefix():
     first = block_hash(ROOT, [1, 2, 3])
     assert len(first) == 32 and first == block_hash(ROOT, (1, 2, 3))

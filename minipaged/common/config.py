@@ -20,6 +20,7 @@ from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("ref", "triton")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     async_scheduling: bool = False  # schedule step N + 1 while step N runs (stage 10 only)
     attention_backend: str = "ref"
+    logprobs_mode: str = "raw_logprobs"  # what a sampled token's logprobs are: see Sampler
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -59,6 +61,7 @@ class EngineConfig:
         check_int("seed", self.seed, -(2**63))
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         for flag in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")

@@ -11,9 +11,15 @@ token from the same seed (``tests/test_stage7_sampler.py``).
 
 The order is vLLM V1's (``minipaged.common.logits_processors`` states the rules): ``min_tokens``,
 ``logit_bias``, the repetition, frequency and presence penalties, ``min_p``; then the
-temperature, ``top_k`` and ``top_p`` of the sampled rows. Log-probabilities are those of the
-processed logits (before temperature): the chosen token's for every row (``cumulative_logprob``),
-the top ``k`` only for the rows that ask for ``logprobs=k``.
+temperature, ``top_k`` and ``top_p`` of the sampled rows.
+
+Log-probabilities: the chosen token's for every row (``cumulative_logprob``), the top ``k`` only
+for the rows that ask for ``logprobs=k``. Which logits they are taken from is vLLM V1's
+``logprobs_mode``: ``raw_logprobs`` (the default) the model's, before any of the rules above;
+``processed_logprobs`` the ones the token was drawn from, after all of them (a greedy row's:
+after the penalties and ``logit_bias``; a sampled row's: after the temperature, ``top_k`` and
+``top_p`` too, the cut tokens at ``-inf``). ``raw_logits`` and ``processed_logits`` return the
+same logits without the log-softmax.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class SamplerOutput:
     """One token per row, the log-probability of each, and the top ones of the rows that asked."""
 
     token_ids: list[int]
-    logprobs: list[float]  # of the chosen token, under the processed logits (before temperature)
+    logprobs: list[float]  # of the chosen token, as the sampler's logprobs_mode says
     top_logprobs: list[dict[int, float] | None]  # {token: logprob} of the top k and the chosen one
 
 
@@ -105,10 +111,12 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 class Sampler:
     """Logits ``(num_seqs, vocab)`` to one token per sequence, every row with its own parameters.
 
-    ``eos_token_ids`` are the tokens ``min_tokens`` holds back."""
+    ``eos_token_ids`` are the tokens ``min_tokens`` holds back; ``logprobs_mode`` which logits the
+    log-probabilities come from (the module's docstring)."""
 
-    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, eos_token_ids: Iterable[int] = (), logprobs_mode: str = "raw_logprobs") -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledRow],
                  params: Sequence[SamplingParams]) -> SamplerOutput:
@@ -117,28 +125,38 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SampledRow],
                params: Sequence[SamplingParams]) -> SamplerOutput:
-        if any(p.has_logits_processors for p in params):
+        processors = any(p.has_logits_processors for p in params)
+        raw = logits.clone() if processors and self.logprobs_mode.startswith("raw") else logits
+        if processors:
             apply_penalties(logits, seqs, params, self.eos_token_ids)
         token_ids = logits.max(dim=-1).indices  # (num_seqs,) the greedy rows' tokens (argmax, 3x slower on CPU)
+        processed = logits
         drawn = [i for i, p in enumerate(params) if p.temperature > 0]
         if drawn:
             vocab = logits.shape[1]
             temp = torch.tensor([params[i].temperature for i in drawn], dtype=logits.dtype)[:, None]
             top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in drawn])
             top_p = torch.tensor([params[i].top_p for i in drawn])
-            probs = torch.softmax(top_k_top_p(logits[drawn] / temp, top_k, top_p), dim=-1)  # (len(drawn), vocab)
+            cut = top_k_top_p(logits[drawn] / temp, top_k, top_p)  # (len(drawn), vocab)
+            probs = torch.softmax(cut, dim=-1)
             for k, i in enumerate(drawn):  # each with its own generator: a seeded sequence repeats itself
                 token_ids[i] = torch.multinomial(probs[k], 1, generator=seqs[i].generator)[0]
+            if self.logprobs_mode.startswith("processed"):
+                processed = logits.clone()
+                processed[drawn] = cut
         tokens = token_ids.tolist()
-        logprobs, top = compute_logprobs(logits, tokens, [p.logprobs for p in params])
+        source = raw if self.logprobs_mode.startswith("raw") else processed
+        logprobs, top = compute_logprobs(source, tokens, [p.logprobs for p in params],
+                                         as_logits=self.logprobs_mode.endswith("logits"))
         return SamplerOutput(tokens, logprobs, top)
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
-                     num_logprobs: Sequence[int | None]) -> tuple[list[float], list[dict[int, float] | None]]:
+def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: Sequence[int | None],
+                     as_logits: bool = False) -> tuple[list[float], list[dict[int, float] | None]]:
     """The log-probability of each row's token, for every row; the top ``k`` ones (and the chosen
-    one), ``{token: logprob}``, only for the rows whose ``num_logprobs`` is a number ``k``."""
-    rows = torch.log_softmax(logits, dim=-1)  # (n, vocab); one pass, as fast on CPU as logsumexp alone
+    one), ``{token: logprob}``, only for the rows whose ``num_logprobs`` is a number ``k``.
+    ``as_logits``: the logits themselves instead (the same tokens are the top ones)."""
+    rows = logits if as_logits else torch.log_softmax(logits, dim=-1)  # (n, vocab); one pass
     logprobs = rows.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
     top: list[dict[int, float] | None] = [None] * len(token_ids)
     asked = [i for i, k in enumerate(num_logprobs) if k is not None]

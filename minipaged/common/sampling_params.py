@@ -55,6 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return the top-k log-probabilities of each step
+    prompt_logprobs: int | None = None  # also return, per prompt token, its log-probability and the top k
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # an output every step, or only the last
 
     def __post_init__(self) -> None:
@@ -63,6 +64,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.n must be <= {MAX_N}, got {self.n}")
         check_int("SamplingParams.max_tokens", self.max_tokens, 1)
         check_int("SamplingParams.logprobs", self.logprobs, 0, allow_none=True)
+        check_int("SamplingParams.prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         check_int("SamplingParams.min_tokens", self.min_tokens, 0)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -139,3 +141,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # with prompt_logprobs=k: per prompt position, {token: logprob} of its token and the top k; None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None

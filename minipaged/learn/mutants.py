@@ -288,8 +288,8 @@ CATALOGUE: list[Mutant] = [
     m(7, "positions start at one", ("positions += range(len(seq) - n, len(seq))",
                                     "positions += range(len(seq) - n + 1, len(seq) + 1)")),
     m(7, "logits of the first new token", (
-        "return self.model.compute_logits(hidden[(ends - 1).to(self.device)]).float()",
-        "return self.model.compute_logits(hidden[(ends - torch.tensor(counts)).to(self.device)]).float()")),
+        "return self.compute_logits(out, hidden, ends - 1)",
+        "return self.compute_logits(out, hidden, ends - torch.tensor(counts))")),
     m(7, "swap-ins are not applied", ("        self.cache.swap_in(out.blocks_to_swap_in)\n", "")),
     m(7, "sampling ignores the sequence's generator", (
         "return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
@@ -337,6 +337,8 @@ CATALOGUE: list[Mutant] = [
     m(9, "the hash runs the token ids together", (
         "return hashlib.sha256(parent_hash + array(\"q\", token_ids).tobytes()).digest()",
         "return hashlib.sha256(parent_hash + \"\".join(map(str, token_ids)).encode()).digest()")),
+    m(9, "a request asking for prompt log-probabilities reads the cache", (
+        "reads = 0 if seq_id in self.uncached_reads else", "reads = 0 if seq_id is None else")),
     m(9, "LRU evicts the most recently freed", ("block_id, _ = self.evictor.popitem(last=False)",
                                                 "block_id, _ = self.evictor.popitem(last=True)")),
     m(9, "an evicted block keeps its hash", ("            del self.cached[self.hash_of.pop(block_id)]\n", "")),
@@ -347,8 +349,8 @@ CATALOGUE: list[Mutant] = [
         "        else:\n            self.inner.incref(block_id)\n        return block_id",
         "        return block_id")),
     m(9, "the block of the last token is looked up too", (
-        "for start in range(0, (len(token_ids) - 1) // size * size, size):",
-        "for start in range(0, len(token_ids) // size * size, size):")),
+        "reads = 0 if seq_id in self.uncached_reads else (len(token_ids) - 1) // size * size",
+        "reads = 0 if seq_id in self.uncached_reads else len(token_ids) // size * size")),
     m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break",
                                            "            if block_id is None:\n                continue")),
     m(9, "hits are not counted", ("        self._stats.hits += 1\n", "")),
