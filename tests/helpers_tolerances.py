@@ -171,6 +171,19 @@ def kv(config, context: int, layer: int, values: torch.Tensor) -> dict:
     return {"rtol": 0.0, "atol": apart(gamma(kv_depth(config, context, layer)) * magnitude)}
 
 
+# Tensor parallelism splits the reductions of the row-parallel projections (o_proj, down_proj) over the
+# ranks: each rank sums its share of the terms, an all-reduce sums the partial sums, then the bias is
+# added. That is the same sum of the same terms in another order, which gamma(n) already bounds for any
+# order; the embedding's all-reduce adds zeros to one row (exact), and gathering the logits moves them
+# unchanged. A sharded model's logits and K/V are therefore within the depths above of a whole model's.
+
+
+def logits(config, context: int, values: torch.Tensor) -> dict:
+    """``assert_close``'s tolerances for two computations of the same logits (``values``: either of them)."""
+    magnitude = values.detach().float().abs().max().item()
+    return {"rtol": 0.0, "atol": apart(gamma(model_depth(config, context)) * magnitude)}
+
+
 # A log-probability z_t - logsumexp(z): z_t is off by up to gamma(depth) |z|, and logsumexp, which moves
 # by at most the largest change of a logit (it is 1-Lipschitz), by as much again: 2 gamma(depth),
 # relative. Then logsumexp's own rounding: a sum of V positive terms, each an exp, and a log: relative

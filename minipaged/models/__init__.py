@@ -2,9 +2,11 @@
 
 ``load_model(path)`` reads ``config.json``, builds the matching module and loads its
 weights from ``model.safetensors`` or a sharded ``model.safetensors.index.json`` (with
-safetensors); ``load_tokenizer(path)`` reads ``tokenizer.json`` (with tokenizers). Nothing
-is downloaded: ``"tiny"`` names the small model that ships with minipaged, anything else
-must be a local folder.
+safetensors), or else from ``pytorch_model.bin`` (or its index); ``load_tokenizer(path)``
+reads ``tokenizer.json`` (with tokenizers). Nothing is downloaded: ``"tiny"`` names the
+small model that ships with minipaged, anything else must be a local folder.
+``minipaged.models.parallel`` has the tensor-parallel layers, and ``load_model_shard``, which
+gives each rank its shard of the same checkpoints.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 __all__ = ["AttentionMetadata", "CausalLM", "ModelConfig", "TINY_MODEL_DIR", "load_config", "load_model",
-           "load_tokenizer", "load_eos_token_ids", "resolve_model_path", "resolve_dtype"]
+           "load_tokenizer", "load_eos_token_ids", "resolve_model_path", "resolve_dtype", "checkpoint_files"]
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -51,17 +53,26 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
 
 
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin"))  # safetensors first, as transformers reads
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder: the shards its index names, or its one file."""
+    for index, single in WEIGHT_FILES:
+        if (path / index).exists():
+            shards = json.loads((path / index).read_text())["weight_map"].values()
+            return [path / shard for shard in sorted(set(shards))]
+        if (path / single).exists():
+            return [path / single]
+    raise ValueError(f"{path} has no model.safetensors, pytorch_model.bin nor an index of their shards")
+
+
 def _state_dict(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        shards = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path} has no model.safetensors nor model.safetensors.index.json")
-    state = {}
-    for shard in shards:
-        state.update(load_file(path / shard))
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        state.update(load_file(file) if file.suffix == ".safetensors"
+                     else torch.load(file, map_location="cpu", weights_only=True))
     return state
 
 

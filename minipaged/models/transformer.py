@@ -180,8 +180,8 @@ class GPT2Attention(nn.Module):
 
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.c_attn = Conv1D(c.hidden_size, 3 * c.hidden_size)
-        self.c_proj = Conv1D(c.hidden_size, c.hidden_size)
+        self.c_attn = Conv1D(c.hidden_size, 3 * c.num_heads * c.head_dim)  # num_heads * head_dim = hidden_size
+        self.c_proj = Conv1D(c.num_heads * c.head_dim, c.hidden_size)
 
 
 class GPT2MLP(nn.Module):
