@@ -7,6 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+# EngineConfig's logprobs modes (vLLM V1's), named here so that the command line starts without torch
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 def _exercise(args: argparse.Namespace) -> int:
     from minipaged.learn.exercise import files_to_write, make_workspace
@@ -57,7 +60,8 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching,
-          scheduler=args.scheduler, **({"async_scheduling": True} if args.async_scheduling else {}))
+          logprobs_mode=args.logprobs_mode, scheduler=args.scheduler,
+          **({"async_scheduling": True} if args.async_scheduling else {}))
     return 0
 
 
@@ -208,6 +212,9 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="on SIGTERM/SIGINT, seconds running requests may go on before they are aborted")
     p.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs a request may ask for")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                   help="what a sampled token's logprobs are: the model's (raw, the default) or those it was drawn "
+                        "from (processed: after penalties, logit_bias, temperature, top-k/top-p); logprobs or logits")
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20, help="larger bodies get HTTP 413")
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")

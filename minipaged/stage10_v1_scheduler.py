@@ -379,6 +379,8 @@ class LLM(stage9_prefix_caching.LLM):
         if config.preemption_mode != "recompute" or not config.enable_prefix_caching:
             raise ValueError("V1 preempts by recompute only, and prefix caching is always on")
         check_int("max_num_batched_tokens", config.max_num_batched_tokens, 1)  # V1 has no default budget: not None
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size is stage 11's: this engine runs the model in one process")
         return config
 
     def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:  # type: ignore[override]

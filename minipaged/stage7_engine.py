@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -46,6 +47,7 @@ from minipaged.common.sampling_params import (
 from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.common.stats import EngineStats, Stats
 from minipaged.models import (
+    CausalLM,
     load_config,
     load_eos_token_ids,
     load_model,
@@ -280,11 +282,10 @@ class LLM:
         self.dtype, self.device = config.torch_dtype, torch.device(config.device)
         self.max_model_len = config.max_model_len
         self.scheduler = self.build_scheduler(self.build_block_manager())
-        self.model, _ = load_model(path, self.dtype, self.device)
+        self.model = self.build_model(path)
         self.tokenizer = load_tokenizer(path)
         mc = self.model_config
-        self.cache = SwapPagedKVCache(mc.num_layers, config.num_gpu_blocks, config.block_size, mc.num_kv_heads,
-                                      mc.head_dim, self.dtype, self.device, config.num_cpu_blocks)
+        self.cache = self.build_cache()
         eos_ids = load_eos_token_ids(path)
         self.engine = self.engine_class(self.scheduler, self.build_runner(), Sampler(eos_ids, config.logprobs_mode),
                                         tokenizer=self.tokenizer, eos_token_ids=eos_ids,
@@ -295,7 +296,20 @@ class LLM:
         """What this stage's engine cannot serve, refused before anything is built."""
         if config.async_scheduling:
             raise ValueError("async_scheduling is stage 10's: this engine schedules a step after the last one ends")
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size is stage 11's: this engine runs the model in one process")
         return config
+
+    def build_model(self, path: Path) -> CausalLM:
+        """The model the runner calls: the checkpoint's, on this ``LLM``'s device and dtype."""
+        model, _ = load_model(path, self.dtype, self.device)
+        return model
+
+    def build_cache(self) -> SwapPagedKVCache:
+        """The paged K/V of every layer, with its CPU blocks for swapping."""
+        c, mc = self.config, self.model_config
+        return SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks, c.block_size, mc.num_kv_heads, mc.head_dim,
+                                self.dtype, self.device, c.num_cpu_blocks)
 
     def build_block_manager(self) -> SwapBlockSpaceManager:
         """The block manager the scheduler and the runner share, with a CPU pool for swapping."""

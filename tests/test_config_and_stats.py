@@ -85,3 +85,14 @@ def test_async_scheduling_is_refused_below_stage_10_and_must_be_a_flag(cls):
         importlib.import_module(f"minipaged.{cls}").LLM("tiny", async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling"):
         V1LLM("tiny", async_scheduling="yes")
+
+
+@pytest.mark.parametrize("cls", ["stage7_engine", "stage9_prefix_caching", "stage10_v1_scheduler"])
+def test_tensor_parallelism_is_refused_below_stage_11_before_any_weight_is_read(cls, monkeypatch):
+    module = importlib.import_module(f"minipaged.{cls}")
+    monkeypatch.setattr(module.LLM, "build_model", lambda self, path: pytest.fail("weights read"))
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        module.LLM("tiny", tensor_parallel_size=2)
+    for bad in ({"tensor_parallel_size": 0}, {"tensor_parallel_size": 1.5}, {"distributed_executor_backend": "ray"}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)

@@ -74,7 +74,7 @@ def test_echo_puts_the_prompt_before_the_text(url):
 
 @pytest.mark.parametrize("field, value", [
     ("suffix", "the end"), ("best_of", 3), ("response_format", {"type": "json_object"}), ("guided_json", {}),
-    ("prompt_logprobs", 1), ("use_beam_search", True), ("skip_special_tokens", False), ("allowed_token_ids", [1]),
+    ("use_beam_search", True), ("skip_special_tokens", False), ("allowed_token_ids", [1]),
     ("bad_words", ["x"]), ("truncate_prompt_tokens", 4), ("logits_processors", ["x"])])
 def test_fields_not_implemented_are_refused_naming_the_field(url, field, value):
     response = post(url, prompt=PROMPT, max_tokens=2, **{field: value})

@@ -20,6 +20,7 @@ from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("ref", "triton")
+EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 
 
@@ -46,6 +47,8 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule step N + 1 while step N runs (stage 10 only)
     attention_backend: str = "ref"
     logprobs_mode: str = "raw_logprobs"  # what a sampled token's logprobs are: see Sampler
+    tensor_parallel_size: int = 1  # workers that each hold a shard of the model (stage 11)
+    distributed_executor_backend: str | None = None  # how they start: "mp" (the default) or "external_launcher"
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -62,6 +65,9 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.distributed_executor_backend is not None:
+            check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         for flag in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")

@@ -6,7 +6,11 @@ vLLM's ``entrypoints/openai/protocol.py`` is the reference for names, defaults a
   OpenAI's fields and vLLM's sampling extras. ``null`` for a field means its default.
   A field this server does not implement is refused with a 400 whose ``param`` names it
   (``REFUSED``), unless it holds its no-op value; any other unknown field is ignored with a
-  warning in the log, as vLLM does.
+  warning in the log, as vLLM does. ``prompt_logprobs`` (vLLM's extra field) asks the engine
+  for the prompt's log-probabilities; completions with ``echo`` and ``logprobs`` ask for them
+  too (``CompletionRequest.engine_prompt_logprobs``), and ``max_tokens: 0`` with ``echo`` is
+  the prompt alone (``CompletionRequest.prompt_only``): what a scorer such as
+  lm-evaluation-harness sends.
 * ``OpenAIError``: an HTTP error with OpenAI's body ``{"error": {"message", "type", "param",
   "code"}}`` and vLLM's type names (``BadRequestError``, ``NotFoundError``, ...).
 * ``ChoiceText``: one choice's text as its tokens arrive: decoded incrementally (each token
@@ -64,7 +68,6 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 # ask for nothing (accepted); any other value is a 400 naming the field.
 REFUSED: dict[str, tuple] = {
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None,),
@@ -130,6 +133,7 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: per prompt token, its logprob and the top k
 
     @model_validator(mode="before")
     @classmethod
@@ -151,6 +155,8 @@ class OpenAIRequest(BaseModel):
             raise OpenAIError("best_of other than n is not supported", 400, "best_of")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options may only be set when stream is true", 400, "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule: a stream has no place for them
+            raise OpenAIError("prompt_logprobs are not available when stream is true", 400, "prompt_logprobs")
         if self.top_k < -1:
             raise OpenAIError("top_k must be -1 or 0 (off), or at least 1", 400, "top_k")
 
@@ -159,7 +165,8 @@ class OpenAIRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's ``SamplingParams``; 400 naming the field for anything out of range."""
         bias = None
         if self.logit_bias:
@@ -182,7 +189,7 @@ class OpenAIRequest(BaseModel):
             "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
             "logit_bias": bias, "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos, "logprobs": logprobs}
+            "ignore_eos": self.ignore_eos, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         try:
             return SamplingParams(**fields)
         except ValueError as err:
@@ -210,10 +217,29 @@ class CompletionRequest(OpenAIRequest):
             return self
         raise OpenAIError("prompt must be a string, a list of strings, a list of token ids, or a list of lists "
                           "of token ids (none empty)", 400, "prompt")
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt alone
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt alone (its text, and its logprobs
+        if asked). The engine is asked for one token, which is dropped, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int:
+        """The ``max_tokens`` the engine is asked for: 1 for a prompt alone, else the request's."""
+        return 1 if self.prompt_only else self.max_tokens
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The ``prompt_logprobs`` the engine is asked for: the request's, else, with ``echo``, its
+        ``logprobs`` (the echoed prompt's tokens carry logprobs as the generated ones do), as vLLM does."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):

@@ -1,15 +1,18 @@
 """What completions and chat completions share once their requests are admitted.
 
 * ``Run``: the choices of one HTTP request (``n`` per prompt) as the engine's outputs arrive,
-  each a ``ChoiceText`` (stop strings, held-back tails), with its tokens and logprobs.
+  each a ``ChoiceText`` (stop strings, held-back tails), with its tokens and logprobs, and each
+  prompt's logprobs when the engine was asked for them.
 * ``Chunks``: how one route writes a streamed chunk (``completions`` and ``chat`` each define one).
 * ``stream_events``: server-sent events, a chunk per change, usage if asked, an error as an
   event, then ``data: [DONE]``; ``collect``: the same run to its end, for an answer in one piece.
-* ``floor_logprob``: a logprob as JSON can carry it.
+* ``floor_logprob``: a logprob as JSON can carry it; ``top_entries``: a position's ``k`` most
+  likely tokens and its own; ``prompt_logprobs_json``: a prompt's logprobs in vLLM's shape.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -29,17 +32,54 @@ def floor_logprob(value: float) -> float:
     return max(value, -9999.0)  # JSON has no -inf: vLLM's floor
 
 
+def top_entries(top: dict[int, float], token: int, k: int) -> dict[int, float]:
+    """The ``k`` most likely tokens of one position and the position's own ``token`` (``k`` or ``k + 1``
+    entries, as OpenAI's ``top_logprobs``). The engine's dicts hold their top tokens first, most likely
+    first, then the token itself if it is not among them; a dict with more top tokens than ``k`` (prompt
+    logprobs asked with a larger ``prompt_logprobs``) is cut to ``k``."""
+    best = dict(itertools.islice(top.items(), k))
+    if token in top:
+        best[token] = top[token]
+    return best
+
+
+def prompt_logprobs_json(client: EngineClient, prompt: list[int], entries: list[dict[int, float] | None],
+                         k: int) -> list[dict[str, dict] | None]:
+    """A prompt's logprobs in vLLM's shape: per prompt token ``None`` (the first: nothing comes before
+    it) or ``{token id as a string: {"logprob", "rank", "decoded_token"}}``, the prompt's own token first,
+    then the ``k`` most likely. ``rank`` is 1 for the most likely token; the prompt's token, when it is
+    not among the ``k`` most likely, has ``rank`` null (the engine returns only the top ``k``)."""
+    out: list[dict[str, dict] | None] = []
+    for token, top in zip(prompt, entries, strict=False):
+        if top is None:
+            out.append(None)
+            continue
+        ranks = {t: r for r, t in enumerate(itertools.islice(top, k), start=1)}
+        order = [token, *(t for t in top if t != token)]
+        out.append({str(t): {"logprob": floor_logprob(top[t]), "rank": ranks.get(t),
+                             "decoded_token": client.decode([t])} for t in order})
+    return out
+
+
 def sse(data) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(data)}\n\n"
 
 
 class Run:
-    """The choices of one HTTP request (``n`` per prompt) as the engine's outputs arrive."""
+    """The choices of one HTTP request (``n`` per prompt) as the engine's outputs arrive.
+
+    ``prompt_only`` (completions' ``echo`` with ``max_tokens: 0``): the engine's one token is dropped,
+    and each choice finishes with ``"length"`` and no token when its request does.
+    ``prompt_logprobs[i]``: prompt ``i``'s logprobs as the engine's last output gave them (None
+    unless asked for).
+    """
 
     def __init__(self, client: EngineClient, handles: list[Handle], n: int, stops: list[str], include_stop: bool,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, prompt_only: bool = False) -> None:
         self.client, self.handles, self.n, self.logprobs = client, handles, n, logprobs
+        self.prompt_only = prompt_only
+        self.prompt_logprobs: list[list[dict[int, float] | None] | None] = [None] * len(handles)
         self.texts = [ChoiceText(client.detokenizer(), stops, include_stop, h.params.min_tokens)
                       for h in handles for _ in range(n)]  # each decodes its new tokens only
         self.tokens: list[list[int]] = [[] for _ in self.texts]
@@ -51,10 +91,16 @@ class Run:
         """Apply one output of prompt ``i``; the choice indexes that changed. Releases a
         prompt's engine request once all its choices are finished."""
         changed = []
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = output.prompt_logprobs
         for c in output.outputs:
             k = i * self.n + c.index
             text = self.texts[k]
             if text.finished:
+                continue
+            if self.prompt_only:  # the engine's one token is not part of the answer
+                text.update([], None if c.finish_reason is None else "length")
+                changed.append(k)
                 continue
             text.update(c.token_ids, c.finish_reason)
             self.tokens[k].extend(c.token_ids[len(self.tokens[k]): text.num_tokens])  # the new ones: no copy of all

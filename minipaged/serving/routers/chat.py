@@ -1,4 +1,10 @@
-"""``POST /v1/chat/completions``: vLLM's ``serving_chat.py``, over the engine client."""
+"""``POST /v1/chat/completions``: vLLM's ``serving_chat.py``, over the engine client.
+
+``prompt_logprobs`` (vLLM's field) scores the rendered prompt: the answer carries them at its top
+level, beside ``choices``, in vLLM's shape (``streaming.prompt_logprobs_json``). ``echo`` is refused:
+vLLM's chat echo prepends the last message when its role is the assistant's, which this server does
+not implement.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from minipaged.serving.engine_client import EngineClient
 from minipaged.serving.errors import error_response
 from minipaged.serving.openai_serving import OpenAIServing, get_serving
 from minipaged.serving.protocol import ChatCompletionRequest, OpenAIError
-from minipaged.serving.streaming import Chunks, Run, collect, floor_logprob, stream_events
+from minipaged.serving.streaming import Chunks, Run, collect, floor_logprob, prompt_logprobs_json, stream_events
 
 router = APIRouter()
 
@@ -60,6 +66,7 @@ def check_request(body: ChatCompletionRequest, serving: OpenAIServing) -> int:
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
     serving.check_logprobs(top, "top_logprobs")
+    serving.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     return top
 
 
@@ -70,8 +77,12 @@ def chat_response(run: Run, body: ChatCompletionRequest, request_id: str, model_
                 if body.logprobs else None,
                 "finish_reason": text.finish_reason or "abort", "stop_reason": text.stop_reason}
                for k, text in enumerate(run.texts)]
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None and run.prompt_logprobs[0] is not None:
+        prompt_logprobs = prompt_logprobs_json(run.client, run.handles[0].prompt_token_ids, run.prompt_logprobs[0],
+                                               body.prompt_logprobs)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-            "choices": choices, "usage": run.usage()}
+            "choices": choices, "usage": run.usage(), "prompt_logprobs": prompt_logprobs}
 
 
 @router.post("/v1/chat/completions")
@@ -83,7 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     max_tokens = body.max_completion_tokens or body.max_tokens or max(serving.client.max_model_len - len(ids), 1)
     serving.check_prompt(ids, max_tokens, "messages")
     logprobs = top if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs, serving.client.vocab_size)
+    params = body.sampling_params(max_tokens, logprobs, serving.client.vocab_size, body.prompt_logprobs)
     handles = await serving.submit_all([ids], params)
     run = Run(serving.client, handles, body.n, body.stops, body.include_stop_str_in_output, logprobs)
     request_id, model_name = f"chatcmpl-{secrets.token_hex(12)}", serving.model.name
