@@ -47,7 +47,7 @@ unit: $(STAMP)
 # bounds for any order) hold for it.
 unit-default-simd: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -p no:cacheprovider -q \
-		-m "stage0 or stage4 or stage5 or stage7 or stage8 or stage9 or stage10" tests/test_stage*.py
+		-m "stage0 or stage4 or stage5 or stage7 or stage8 or stage9 or stage10 or stage11 or stage12" tests/test_stage*.py
 
 # Every plausible wrong implementation in the catalogue must fail its stage's tests.
 mutants: $(STAMP)

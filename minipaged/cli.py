@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -60,7 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, seed=args.seed, enable_prefix_caching=args.prefix_caching,
-          logprobs_mode=args.logprobs_mode, scheduler=args.scheduler,
+          logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
+          **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
     return 0
 
@@ -222,6 +224,11 @@ def _add_serve_command(sub) -> None:
                    help="v1: stage 10's engine (one token budget per step, chunked prefill, prefix caching)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="with --scheduler v1: schedule each step while the one before runs")
+    p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
+                   help='with --scheduler v1: speculative decoding, vLLM\'s speculative_config, e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (stage 12)')
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="worker processes that each hold a shard of the model and of every KV block (stage 11)")
     p.set_defaults(run=_serve)
 
 

@@ -381,6 +381,8 @@ class LLM(stage9_prefix_caching.LLM):
         check_int("max_num_batched_tokens", config.max_num_batched_tokens, 1)  # V1 has no default budget: not None
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size is stage 11's: this engine runs the model in one process")
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config is stage 12's: this engine decodes one token per step")
         return config
 
     def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:  # type: ignore[override]

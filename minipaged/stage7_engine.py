@@ -298,6 +298,8 @@ class LLM:
             raise ValueError("async_scheduling is stage 10's: this engine schedules a step after the last one ends")
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size is stage 11's: this engine runs the model in one process")
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config is stage 12's: this engine decodes one token per step")
         return config
 
     def build_model(self, path: Path) -> CausalLM:
@@ -335,6 +337,10 @@ class LLM:
 
             return paged_attention_triton
         return paged_attention_ref
+
+    def check_health(self) -> None:
+        """Raise if this ``LLM`` can no longer serve (vLLM's ``check_health``): here it always can; an
+        engine whose model runs in other processes cannot once one of them is gone (stage 11)."""
 
     def next_request_id(self) -> int:
         return next(self._request_ids)

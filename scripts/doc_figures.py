@@ -368,9 +368,27 @@ def token_budget():
     _save(fig, "token_budget.svg")
 
 
+def tensor_parallel():
+    """Stage 11: the tiny model over 2 ranks; two requests' blocks, from a real block manager."""
+    from minipaged.learn.viz import plot_tensor_parallel
+    from minipaged.models import load_config, resolve_model_path
+
+    manager = BlockSpaceManager(BlockAllocator(10), block_size=4)
+    manager.allocate("A", list(range(4)))
+    manager.allocate("B", list(range(4)))  # the two arrive together: their blocks interleave
+    for name, more in (("A", 6), ("B", 2)):
+        for _ in range(more):
+            manager.append_slot(name)
+    tables = {name: manager.get_block_table(name) for name in ("A", "B")}
+    fig, ax = plt.subplots(figsize=(7.2, 3.9), layout="constrained")
+    plot_tensor_parallel(load_config(resolve_model_path("tiny")), 2, tables, {"A": 10, "B": 6}, manager.block_size,
+                         manager.num_total_blocks, ax=ax)
+    _save(fig, "tensor_parallel.svg")
+
+
 def main():
     for draw in (paged_memory, contiguous_waste, block_pool, block_table, copy_on_write, gather, split_kv,
-                 schedule, engine_components, parallel_sampling, prefix_cache, token_budget):
+                 schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel):
         draw()
     print(f"wrote {len(list(OUT.glob('*.svg')))} figures to {OUT.relative_to(ROOT)}")
 

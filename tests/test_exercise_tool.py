@@ -10,6 +10,7 @@ Test ids here never contain ``stage<N>``, so that ``pytest -k stageN`` never sel
 import ast
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -68,7 +69,8 @@ def test_a_stage_of_two_files_names_its_main_file_first():
     assert names[7] == ["stage7_engine.py", "stage7_model_runner.py"]
     assert names[10] == ["stage10_v1_scheduler.py", "stage10_async_scheduling.py",  # it imports the async file
                          "stage10_model_runner.py"]  # lazily, inside LLM(): imports inside functions count too
-    assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10))
+    assert names[11] == ["stage11_tensor_parallel.py", "stage11_worker.py"]  # the driver imports its workers
+    assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10, 11))
     assert tutorial_for(10) == "tutorials/11_v1_scheduler.ipynb" and tutorial_for(7) == "tutorials/07_engine.ipynb"
 
 
@@ -142,7 +144,11 @@ def _stages_imported(path: Path) -> set[int]:
                 found.add(int(m.group(1)))
             elif node.module == "minipaged":
                 for alias in node.names:
-                    owner = getattr(getattr(minipaged, alias.name), "__module__", "")
+                    if hasattr(minipaged, alias.name):  # a name the package exports
+                        target = getattr(minipaged, alias.name)
+                    else:  # a submodule not imported yet: ``from minipaged import stage10_v1_scheduler``
+                        target = importlib.import_module(f"minipaged.{alias.name}")
+                    owner = target.__name__ if inspect.ismodule(target) else getattr(target, "__module__", "")
                     if m := STAGE_MODULE.match(owner + "_"):
                         found.add(int(m.group(1)))
         elif isinstance(node, ast.Import):

@@ -726,3 +726,98 @@ def test_stage10_async_scheduling_computes_one_token_more_when_a_stop_token_come
         computed.append(llm.stats.prefill_tokens + llm.stats.decode_tokens)
     assert outs[0].token_ids == outs[1].token_ids == tokens[:3] and outs[1].finish_reason == "stop"
     check10(5, computed[1] - computed[0])
+
+
+# Stage 11 ------------------------------------------------------------------------------------
+
+PAGE11 = STAGES / "11_tensor_parallel.md"
+LLAMA3_70B = dict(model_type="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                  num_kv_heads=8, head_dim=128, intermediate_size=28672, max_position_embeddings=8192, norm_eps=1e-5)
+QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                  num_kv_heads=2, head_dim=64, intermediate_size=4864, max_position_embeddings=32768, norm_eps=1e-6)
+NVLINK_ONE_WAY = 450e9  # an H100 SXM's NVLink: 900 GB/s, both directions together
+
+
+def check11(index: int, *expected) -> None:
+    """Question ``index`` of stage 11's page and of its translation answers ``expected``."""
+    want = [normal(e) for e in expected]
+    for page in (PAGE11, PAGE11.with_name("11_tensor_parallel.zh.md")):
+        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+
+
+def all_reduce_bytes(config, tokens: int, dtype_bytes: int) -> int:
+    """Two row-parallel layers a layer and the embedding, each a (tokens, hidden_size) tensor."""
+    return (2 * config.num_layers + 1) * tokens * config.hidden_size * dtype_bytes
+
+
+def ring_all_reduce_ms(num_bytes: int, ranks: int) -> float:
+    """The least time a ring all-reduce of ``num_bytes`` takes: each GPU sends 2(N - 1)/N of them."""
+    return 2 * (ranks - 1) / ranks * num_bytes / NVLINK_ONE_WAY * 1e3
+
+
+def test_stage11_page_ends_with_a_self_check_and_an_interview_answer():
+    for page, headings in ((PAGE11, ("## Self-check", "## Explain it in an interview")),
+                           (PAGE11.with_name("11_tensor_parallel.zh.md"),
+                            ("{#self-check}", "{#explain-it-in-an-interview}"))):
+        text = page.read_text(encoding="utf-8")
+        assert 4 <= len(answers(page)) <= 6 and len(answers(page)) == len(answers(PAGE11)), page.name
+        assert text.index(headings[0]) < text.index(headings[1]), page.name
+        bold = [bool(bold_spans(page, i)) for i in range(len(answers(page)))]
+        assert bold == [True] * 4 + [False] * 2  # the last two are answered in words
+
+
+def test_stage11_the_bytes_a_rank_all_reduces_are_the_formulas():
+    """Measured on the workers (tp 2), step by step, and equal to the formula."""
+    from minipaged.stage11_tensor_parallel import LLM
+
+    with LLM("tiny", tensor_parallel_size=2, num_gpu_blocks=16) as llm:
+        counts = [llm.executor.collective_rpc("count_all_reduce_bytes")]
+        llm.engine.add_request("r", {"prompt_token_ids": list(range(5, 15))},
+                               SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            counts.append(llm.executor.collective_rpc("count_all_reduce_bytes"))
+        steps = [[b - a for a, b in zip(before, after, strict=True)] for before, after in zip(counts, counts[1:])]
+        c = llm.model_config
+    assert steps == [[all_reduce_bytes(c, n, 4)] * 2 for n in (10, 1, 1)]  # the prompt, then two decodes
+    check11(0, f"{steps[0][0]:,}", f"{steps[1][0]:,}")
+    assert f"9 × 128 × 4 = {all_reduce_bytes(c, 1, 4):,}" in PAGE11.read_text(encoding="utf-8")
+
+
+def test_stage11_llama3_70b_at_tp8_over_nvlink():
+    from minipaged.models import ModelConfig
+
+    c = ModelConfig(**LLAMA3_70B)
+    decode, chunk = all_reduce_bytes(c, 256, 2), all_reduce_bytes(c, 2048, 2)
+    check11(1, f"{chunk:,}", f"{ring_all_reduce_ms(chunk, 8):.1f}")
+    for page in (PAGE11, PAGE11.with_name("11_tensor_parallel.zh.md")):
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        assert f"(2 × 80 + 1) × 256 × 8192 × 2 = {decode:,}" in text, page.name
+        assert f"{2 * 7 / 8 * decode / 1e9:.2f} GB" in text and f"{ring_all_reduce_ms(decode, 8):.1f} ms" in text
+        assert f"{all_reduce_bytes(c, 1, 2) / 1e6:.1f} MB" in text, page.name  # a token's, in the interview answer
+
+
+def test_stage11_what_a_rank_of_qwen25_holds():
+    from minipaged.models import ModelConfig
+    from minipaged.models.parallel import check_tensor_parallel, shard_config
+
+    c = ModelConfig(**QWEN25_05B)
+    shard = shard_config(c, 2)
+    per_token = shard.kv_bytes_per_token(torch.bfloat16)
+    assert 2 * per_token == c.kv_bytes_per_token(torch.bfloat16)
+    with pytest.raises(ValueError):
+        check_tensor_parallel(c, 4)
+    check11(2, shard.num_heads, shard.num_kv_heads, f"{per_token:,}", "refused")
+
+
+def test_stage11_a_replicated_kv_head():
+    from minipaged.models import ModelConfig
+    from minipaged.models.parallel import kv_heads_of_rank
+
+    c = ModelConfig(**LLAMA3_70B)
+    holders = [[r for r in range(16) if head in kv_heads_of_rank(c, r, 16)] for head in range(c.num_kv_heads)]
+    assert len({len(h) for h in holders}) == 1
+    (head,) = kv_heads_of_rank(c, 11, 16)
+    queries = range(11 * 4, 12 * 4)  # rank 11's query heads; head h reads KV head h // 8
+    assert {q // (c.num_heads // c.num_kv_heads) for q in queries} == {head}
+    check11(3, len(holders[0]), head)

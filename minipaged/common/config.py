@@ -11,7 +11,7 @@ they need from it; none of them reads an argument of ``LLM`` itself.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,6 +22,35 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: how drafts are proposed and how many (stage 12). Only the
+    n-gram method ("prompt lookup"): the longest suffix of ``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens seen before proposes up to ``num_speculative_tokens``."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        check_choice("speculative_config.method", self.method, ("ngram",))
+        check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
+        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+
+    @classmethod
+    def from_dict(cls, value: object) -> SpeculativeConfig:
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # what a sampled token's logprobs are: see Sampler
     tensor_parallel_size: int = 1  # workers that each hold a shard of the model (stage 11)
     distributed_executor_backend: str | None = None  # how they start: "mp" (the default) or "external_launcher"
+    speculative_config: SpeculativeConfig | dict | None = None  # drafts and their verification (stage 12)
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -66,6 +96,8 @@ class EngineConfig:
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.speculative_config is not None:  # a dict, as vLLM takes it, checked into its dataclass
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.distributed_executor_backend is not None:
             check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         for flag in ("enable_prefix_caching", "async_scheduling"):

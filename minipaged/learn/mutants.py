@@ -388,6 +388,21 @@ CATALOGUE: list[Mutant] = [
                                                             "")),
     m(10, "async scheduling launches the next step before it appends the tokens it feeds back", (
         _RECORD + _LAUNCH, _LAUNCH + _RECORD)),
+    # stage 11: tensor parallelism
+    m(11, "block copies on rank 0 only", ("self.cache.copy_blocks(step.blocks_to_copy)",
+                                         "self.cache.copy_blocks(step.blocks_to_copy if self.rank == 0 else [])")),
+    m(11, "swap-ins on rank 0 only", ("self.cache.swap_in(step.blocks_to_swap_in)",
+                                     "self.cache.swap_in(step.blocks_to_swap_in if self.rank == 0 else [])")),
+    m(11, "a worker with block ids of its own", (
+        "block_tables=torch.from_numpy(step.block_tables).to(device),",
+        "block_tables=torch.from_numpy(step.block_tables[:, ::-1].copy() if self.rank\n"
+        "                                       else step.block_tables).to(device),")),
+    m(11, "logits of rank 0's vocabulary slice only", (
+        "return logits.cpu().numpy() if self.rank == 0 else None",
+        "return logits[:, :-(-logits.shape[1] // self.world_size)].cpu().numpy() if self.rank == 0 else None")),
+    m(11, "the block moves stay in the driver", ("**step.cache.take_block_moves())",
+                                                "**{k: [] for k in step.cache.take_block_moves()})")),
+    m(11, "the heads put back in the wrong order", ("order = sorted(keys)", "order = sorted(keys, reverse=True)")),
 ]
 
 

@@ -601,3 +601,106 @@ def plot_token_budget(outputs: list, budget: int, labels: dict | None = None, ax
     if title:
         ax.set_title(title, loc="left")
     return ax
+
+
+def plot_tensor_parallel(config, tp: int, block_tables: dict, seq_lens: dict, block_size: int, num_blocks: int,
+                         ax=None, title=None):
+    """Stage 11: what the driver keeps and what each of ``tp`` ranks holds of ``config``'s model.
+
+    The driver (top) keeps the scheduler, the one block manager and the sampler; its block tables
+    (``block_tables``: request -> block ids, ``seq_lens``: request -> tokens) serve every rank. Each
+    rank (a box below) holds its share of the heads, the MLP columns and the vocabulary (from
+    ``shard_config`` and ``kv_heads_of_rank``, what the workers are built from) and a KV cache of
+    ``num_blocks`` blocks under the same ids, each row one of its KV heads, each block coloured by
+    the request whose tokens it holds (filled as far as they go). Arrows: the step's inputs go
+    down to every rank, the all-reduces run between the ranks, rank 0 sends the logits back.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+
+    from minipaged.models.parallel import kv_heads_of_rank, padded_vocab_size, shard_config
+
+    shard = shard_config(config, tp)
+    names = list(block_tables)
+    color = {name: SEQ_COLORS[i % len(SEQ_COLORS)] for i, name in enumerate(names)}
+    filled: dict[int, tuple[str, int]] = {}  # block -> (request, tokens it holds)
+    for name in names:
+        for i, block in enumerate(block_tables[name]):
+            filled[int(block)] = (name, min(block_size, seq_lens[name] - i * block_size))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.2, 3.9), layout="constrained")
+    width, gap = 100.0, 6.0
+    box = (width - gap * (tp - 1)) / tp
+    kv_rows = shard.num_kv_heads
+    rank_h = 10.2 + 1.5 * kv_rows
+    top = rank_h + 9.0
+
+    def frame(x, y, w, h, face, edge):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.4,rounding_size=1.2", facecolor=face,
+                                    edgecolor=edge, linewidth=1.0))
+
+    frame(0, top, width, 7.2, "#e8eaf6", "#3f51b5")
+    ax.text(1.5, top + 5.6, "driver: scheduler, the one block manager, sampler", fontsize=9, va="center",
+            weight="bold")
+    tables = "   ".join(f"{n}: {list(map(int, block_tables[n]))}" for n in names)
+    ax.text(1.5, top + 3.5, f"block tables (the same ids on every rank)   {tables}", fontsize=8, va="center")
+    ax.text(1.5, top + 1.4, "each step sends: token ids, positions, slot mapping, block tables, lengths, "
+            "block moves", fontsize=8, va="center", color="#333333")
+    per_rank_heads = shard.num_heads
+    mlp = shard.intermediate_size
+    vocab = padded_vocab_size(config.vocab_size, tp) // tp
+    for rank in range(tp):
+        x = rank * (box + gap)
+        frame(x, 0, box, rank_h, "#f7f7f7", "#555555")
+        heads = kv_heads_of_rank(config, rank, tp)
+        q0 = rank * per_rank_heads
+        kv = (f"KV head {heads[0]}" if len(heads) == 1 else f"KV heads {heads[0]}–{heads[-1]}")
+        if config.num_kv_heads < tp:
+            kv += " (replicated)"
+        lines = [f"rank {rank}",
+                 f"query heads {q0}–{q0 + per_rank_heads - 1} of {config.num_heads}; {kv} of {config.num_kv_heads}",
+                 f"MLP columns {rank * mlp}–{(rank + 1) * mlp - 1} of {config.intermediate_size}",
+                 f"vocabulary rows {rank * vocab}–{min((rank + 1) * vocab, config.vocab_size) - 1}"
+                 f" of {config.vocab_size}",
+                 f"KV cache per layer ({num_blocks}, {block_size}, {kv_rows}, {config.head_dim}): block ids"]
+        for k, line in enumerate(lines):
+            ax.text(x + 1.2, rank_h - 1.3 - 1.55 * k, line, fontsize=8.5 if k == 0 else 7.5, va="center",
+                    weight="bold" if k == 0 else "normal")
+        cell = (box - 9.5) / num_blocks
+        for row, head in enumerate(heads):
+            y = 0.7 + 1.5 * (kv_rows - 1 - row)
+            ax.text(x + 1.2, y + 0.6, f"head {head}", fontsize=7, va="center")
+            for block in range(num_blocks):
+                bx = x + 8.0 + block * cell
+                owner, tokens = filled.get(block, (None, 0))
+                ax.add_patch(Rectangle((bx, y), cell * 0.92, 1.2, facecolor="#eeeeee", edgecolor="#999999",
+                                       linewidth=0.5))
+                if owner is not None:
+                    ax.add_patch(Rectangle((bx, y), cell * 0.92 * tokens / block_size, 1.2, facecolor=color[owner],
+                                           edgecolor="none"))
+                if row == 0:
+                    ax.text(bx + cell * 0.46, y + 1.75, str(block), fontsize=6, ha="center", va="center",
+                            color="#555555")
+        ax.add_patch(FancyArrowPatch((x + box * 0.5, top - 0.5), (x + box * 0.5, rank_h + 0.5), arrowstyle="-|>",
+                                     mutation_scale=10, color="#3f51b5"))
+    ax.text(box * 0.5 + 1.2, (top + rank_h) / 2, "StepInputs", fontsize=7.5, va="center", color="#3f51b5")
+    ax.add_patch(FancyArrowPatch((box * 0.25, rank_h + 0.5), (box * 0.25, top - 0.5), arrowstyle="-|>",
+                                 mutation_scale=10, color="#d95f02"))
+    ax.text(box * 0.25 - 1.0, (top + rank_h) / 2, "logits (rank 0)", fontsize=7.5, va="center", ha="right",
+            color="#d95f02")
+    for rank in range(tp - 1):  # each rank with the next: the collectives join them all
+        start, end = rank * (box + gap) + box * 0.78, (rank + 1) * (box + gap) + box * 0.22
+        ax.add_patch(FancyArrowPatch((start, rank_h + 0.5), (end, rank_h + 0.5), arrowstyle="<|-|>",
+                                     connectionstyle="arc3,rad=-0.25", mutation_scale=9, color="#1b9e77"))
+        ax.text((start + end) / 2, rank_h + 0.8 + 0.125 * (end - start),
+                f"all-reduce ×{2 * config.num_layers + 1} a step\nall-gather ×1 (logits)", fontsize=7.5,
+                ha="center", va="bottom", color="#1b9e77", linespacing=1.1)
+    handles = [Rectangle((0, 0), 1, 1, facecolor=color[n], label=f"{n} ({seq_lens[n]} tokens)") for n in names]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(names), frameon=False,
+              fontsize=8)
+    ax.set_xlim(-1, width + 1)
+    ax.set_ylim(-0.6, top + 7.9)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax

@@ -168,6 +168,9 @@ class EngineClient:
         """Queue a request (checked by the engine at admission: await ``handle.admitted``)."""
         if self.shutting_down:
             raise RequestFailed("the server is shutting down", 503)
+        broken = self.engine_broken()
+        if broken is not None:
+            raise RequestFailed(broken, 503)
         if len(self._pending) + self.num_waiting >= self.max_waiting:
             raise QueueFullError(f"{self.max_waiting} requests are waiting already")
         if params.seed is None:  # a seed of its own, so that a replay draws the same tokens
@@ -350,6 +353,12 @@ class EngineClient:
     def _step_failed(self, error: Exception, lost: list[str]) -> None:
         self.failed_steps += 1
         handles = [self._handles[r] for r in lost if r in self._handles]
+        broken = self.engine_broken()
+        if broken is not None:  # nothing to replay on: every request of the step gets a 503
+            logger.error("%s", broken)
+            for handle in handles:
+                handle.queue.put_nowait(RequestFailed(broken, 503))
+            return
         if len(lost) == 1:
             for handle in handles:
                 logger.warning("request %s failed: %r", handle.request_id, error)
@@ -399,17 +408,33 @@ class EngineClient:
         with self._lock:  # the components' statistics objects, not the live page's block map
             counted, block_size = self._llm.stats, self._llm.scheduler.block_manager.block_size
             sched, cache = counted.scheduler, counted.prefix_cache
-            return {"num_requests_running": sched.num_running_reqs, "num_requests_waiting": sched.num_waiting_reqs,
-                    "num_requests_swapped": sched.num_swapped_reqs, "kv_cache_usage_perc": sched.kv_cache_usage,
+            spec = getattr(self._llm, "spec_decoding_stats", None)  # an engine with speculative decoding (stage 12)
+            drafts = {} if spec is None else {"spec_decode_num_drafts": spec.num_drafts,
+                                              "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                                              "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
+            return {**drafts, "num_requests_running": sched.num_running_reqs,
+                    "num_requests_waiting": sched.num_waiting_reqs, "num_requests_swapped": sched.num_swapped_reqs,
+                    "kv_cache_usage_perc": sched.kv_cache_usage,
                     "kv_cache_blocks_used": sched.num_used_blocks, "kv_cache_blocks_total": sched.num_gpu_blocks,
                     "num_preemptions": counted.num_preemptions,
                     "prefix_cache_queries": cache.queries * block_size,  # in tokens: full blocks looked up
                     "prefix_cache_hits": cache.hits * block_size}
 
+    def engine_broken(self) -> str | None:
+        """Why the engine can serve no more (``LLM.check_health``: a tensor-parallel worker died), or None."""
+        try:
+            self._llm.check_health()
+        except Exception as err:
+            return f"the engine cannot serve: {err}"
+        return None
+
     def health(self) -> str | None:
         """None when healthy, else why not."""
         if self.dead is not None or self._task is None or self._task.done():
             return "the engine loop is not running"
+        broken = self.engine_broken()
+        if broken is not None:
+            return broken
         if self.step_started is not None and time.monotonic() - self.step_started > self.stall_timeout:
             return f"a step has been running for more than {self.stall_timeout:g} s"
         if self.failed_steps >= FAILED_STEPS_UNHEALTHY:

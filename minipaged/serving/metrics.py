@@ -35,6 +35,9 @@ ENGINE_GAUGES = (("num_requests_running", "Number of requests currently running.
 ENGINE_COUNTERS = (("num_preemptions", "Cumulative number of preemptions."),
                    ("prefix_cache_queries", "Prefix-cache queries, in tokens (full blocks looked up)."),
                    ("prefix_cache_hits", "Prefix-cache hits, in tokens (full blocks found)."))
+SPEC_DECODE_COUNTERS = (("spec_decode_num_drafts", "Speculative decoding: drafts verified."),
+                        ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+                        ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."))
 
 
 class Metrics:
@@ -113,7 +116,7 @@ class Metrics:
             family = GaugeMetricFamily(f"minipaged:{key}", doc, labels=["model_name"])
             family.add_metric(name, v[key])
             yield family
-        for key, doc in ENGINE_COUNTERS:
+        for key, doc in ENGINE_COUNTERS + tuple(c for c in SPEC_DECODE_COUNTERS if c[0] in v):  # with drafts only
             counter = CounterMetricFamily(f"minipaged:{key}", doc, labels=["model_name"])
             counter.add_metric(name, v[key])
             yield counter

@@ -126,11 +126,18 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
         raise ValueError(f"scheduler must be 'v0' or 'v1', got {scheduler!r}")
     if scheduler == "v1":
         engine_args["enable_prefix_caching"] = True
+    elif engine_args.get("speculative_config") is not None:
+        raise ValueError("speculative decoding runs on stage 10's scheduler: add --scheduler v1")
 
     check_serve_args(host, port, shutdown_timeout, max_waiting)
     sock = bind(host, port)
     logging.basicConfig(format="minipaged serve: %(message)s", level=logging.WARNING)
     try:
+        if engine_args.get("speculative_config") is not None:  # drafts, verified (stage 12, on stage 10)
+            from minipaged.stage12_speculative import LLM as V1LLM
+        if engine_args.get("tensor_parallel_size", 1) != 1:  # workers hold the model (stage 11)
+            from minipaged.stage11_tensor_parallel import LLM as V1LLM
+            from minipaged.stage11_tensor_parallel import V0LLM as LLM
         llm = (V1LLM if scheduler == "v1" else LLM)(model, **engine_args)
         name = served_model_name or model
         app = build_app(llm, name, max_waiting, api_key=api_key, max_logprobs=max_logprobs,

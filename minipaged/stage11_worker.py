@@ -1,0 +1,230 @@
+"""Stage 11 — a tensor-parallel worker: one rank's shard of the model and of every KV block.
+
+The paper's §4.6 keeps memory management central and splits only the model. Each worker
+(one per GPU; here one per process) holds, Megatron-LM style, its attention heads' slice of
+every layer (``minipaged.models.parallel``) and the K/V of its KV heads, in a ``PagedKVCache``
+of ``(num_blocks, block_size, num_kv_heads / tp, head_dim)`` per layer. The block ids are the
+same on every worker, so the one block table the driver's block manager keeps serves them
+all: a worker never sees the block manager. Each step it is sent the step's inputs
+(``StepInputs``: token ids, positions, slot mapping, block tables, lengths, the block moves),
+runs its shard — the all-reduces go between the workers, without the driver — and rank 0
+sends back the logits.
+
+A worker is started by the driver (``stage11_tensor_parallel``, the spawn start method; inputs
+and replies over a pipe), or by ``torchrun``, which sets its rank, the world size and the
+rendezvous in its environment (``python -m minipaged.stage11_worker``: rank 0 runs the
+engine, the others follow it). Every collective has the process group's timeout; a worker
+exits when the driver goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from minipaged.models import AttentionMetadata, resolve_dtype
+from minipaged.models.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_heads_of_rank,
+    load_model_shard,
+    num_kv_heads_per_rank,
+)
+from minipaged.stage4_reference_attention import paged_attention_ref
+from minipaged.stage6_swapping import SwapPagedKVCache
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    """What every worker is built from: the model, the cache's sizes, how the ranks meet."""
+
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    tensor_parallel_size: int
+    init_method: str = "env://"  # a rendezvous: "file://...", "tcp://host:port", or torchrun's environment
+    timeout_s: float = 60.0  # of every collective
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step, as the driver's runner built it (numpy arrays: they pickle by value, cheaply)."""
+
+    input_ids: np.ndarray  # int64 (num_tokens,)
+    positions: np.ndarray  # int64 (num_tokens,)
+    slot_mapping: np.ndarray  # int64 (num_tokens,)
+    block_tables: np.ndarray  # int32 (num_seqs, max_blocks_per_seq)
+    seq_lens: np.ndarray  # int32 (num_seqs,)
+    query_start_loc: np.ndarray | None  # int32 (num_seqs + 1,); None: one decode token each
+    logits_indices: np.ndarray  # int64 (num_rows,): the tokens whose logits the engine needs
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
+    attention_backend: str = "ref"
+
+
+def backend_named(name: str):
+    if name == "triton":
+        from minipaged.stage5_triton_attention import paged_attention_triton
+
+        return paged_attention_triton
+    return paged_attention_ref
+
+
+class Worker:
+    """One rank: its process group, its shard of the model, its shard of every KV block."""
+
+    def __init__(self, config: WorkerConfig, rank: int) -> None:
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
+        self.device = torch.device(config.device)
+        self.all_reduce_bytes = 0  # counted once asked for (count_all_reduce_bytes)
+
+    def init_device(self) -> None:
+        """Join the other ranks: gloo on CPUs, NCCL on CUDA devices; every collective times out."""
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    init_method=self.config.init_method, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.config.timeout_s))
+
+    def load_model(self) -> None:
+        """This rank's shard of the checkpoint (only its slices are read), and a cache of its KV heads."""
+        c = self.config
+        self.model, self.model_config = load_model_shard(c.model, c.dtype, self.device, self.rank, self.world_size)
+        mc = self.model_config
+        self.cache = SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks, c.block_size,
+                                      num_kv_heads_per_rank(mc, self.world_size), mc.head_dim,
+                                      resolve_dtype(c.dtype), self.device, c.num_cpu_blocks)
+
+    def execute_model(self, step: StepInputs) -> np.ndarray | None:
+        """Run one step on this shard: the block moves on this rank's blocks, then the forward pass.
+        Rank 0 returns the ``(num_rows, vocab)`` float32 logits (every rank has them); the others None."""
+        # BEGIN SOLUTION this rank's block moves first, in the runner's order; then its shard's forward
+        self.cache.swap_out(step.blocks_to_swap_out)
+        self.cache.swap_in(step.blocks_to_swap_in)
+        self.cache.copy_blocks(step.blocks_to_copy)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+            block_tables=torch.from_numpy(step.block_tables).to(device),
+            seq_lens=torch.from_numpy(step.seq_lens).to(device),
+            query_start_loc=(None if step.query_start_loc is None
+                             else torch.from_numpy(step.query_start_loc).to(device)),
+            backend=backend_named(step.attention_backend),
+        )
+        with torch.inference_mode():
+            input_ids, positions = torch.from_numpy(step.input_ids), torch.from_numpy(step.positions)
+            hidden = self.model(input_ids.to(device), positions.to(device), self.cache, meta)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(device)]).float()
+        return logits.cpu().numpy() if self.rank == 0 else None
+        # END SOLUTION
+
+    def gather(self, layer: int, block_table: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """This rank's K/V of one sequence, ``(seq_len, num_kv_heads / tp, head_dim)`` each, and which
+        KV heads of the model they are."""
+        key, value = self.cache.gather(layer, block_table, seq_len)
+        heads = list(kv_heads_of_rank(self.model_config, self.rank, self.world_size))
+        return key.cpu().numpy(), value.cpu().numpy(), heads
+
+    def count_all_reduce_bytes(self) -> int:
+        """From now on, count the bytes this rank all-reduces (the output of every row-parallel
+        layer and of the embedding); return the count so far."""
+        if not getattr(self, "counting", False):
+            self.counting = True
+
+            def count(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+                self.all_reduce_bytes += output.numel() * output.element_size()
+
+            for module in self.model.modules():
+                if isinstance(module, RowParallelLinear | VocabParallelEmbedding) and not isinstance(
+                        module, ParallelLMHead):
+                    module.register_forward_hook(count)
+        return self.all_reduce_bytes
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_worker(conn: Connection, config: WorkerConfig, rank: int) -> None:
+    """A spawned worker's life: build, say ready, then run what the driver sends until it says
+    ``shutdown`` or goes away. Every call is answered ``(call_id, ok, result)``; an error is
+    answered with its traceback, and ends the worker (the ranks' collectives are out of step)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle, not the workers'
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    worker = Worker(config, rank)
+    try:
+        worker.init_device()
+        worker.load_model()
+        conn.send((-1, True, "ready"))
+    except BaseException:
+        conn.send((-1, False, traceback.format_exc()))
+        return
+    try:
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:  # the driver is gone: so is the reason to live
+                    return
+                continue
+            call_id, method, args = conn.recv()
+            if method == "shutdown":
+                return
+            try:
+                result = getattr(worker, method)(*args)
+            except BaseException:
+                conn.send((call_id, False, traceback.format_exc()))
+                return
+            conn.send((call_id, True, result))
+    except (EOFError, OSError):  # the driver closed its end
+        return
+    finally:
+        worker.close()
+
+
+def torchrun_main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m minipaged.stage11_worker --model M --prompt-token-ids '[[...]]'``:
+    every process a worker, its rank and the rendezvous from torchrun's environment; rank 0 also
+    runs the engine (``distributed_executor_backend="external_launcher"``, vLLM's name) and prints
+    the greedy outputs as JSON, one line per prompt."""
+    parser = argparse.ArgumentParser(prog="python -m minipaged.stage11_worker")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--prompt-token-ids", required=True, help="a JSON list of lists of token ids")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        from minipaged.stage11_tensor_parallel import follow_rank_0
+
+        follow_rank_0(WorkerConfig(args.model, "float32", "cpu", args.block_size, args.num_gpu_blocks, 0,
+                                   world_size), rank)
+        return
+    from minipaged.common.sampling_params import SamplingParams
+    from minipaged.stage11_tensor_parallel import LLM
+
+    with LLM(args.model, tensor_parallel_size=world_size, distributed_executor_backend="external_launcher",
+             num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size) as llm:
+        prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            print(json.dumps(out.outputs[0].token_ids), flush=True)
+
+
+if __name__ == "__main__":
+    torchrun_main()
