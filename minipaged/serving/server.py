@@ -109,6 +109,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def engine_class(scheduler: str, engine_args: dict) -> type:
+    """The ``LLM`` that serves these arguments: stage 9's (v0) or stage 10's (v1); stage 11's over either
+    with ``tensor_parallel_size`` > 1; stage 12's (on v1) with a ``speculative_config``."""
+    if engine_args.get("tensor_parallel_size", 1) != 1:  # workers hold the model
+        from minipaged import stage11_tensor_parallel
+
+        return stage11_tensor_parallel.LLM if scheduler == "v1" else stage11_tensor_parallel.V0LLM
+    if engine_args.get("speculative_config") is not None:  # drafts, verified
+        from minipaged import stage12_speculative
+
+        return stage12_speculative.LLM
+    if scheduler == "v1":
+        from minipaged import stage10_v1_scheduler
+
+        return stage10_v1_scheduler.LLM
+    from minipaged import LLM
+
+    return LLM
+
+
 def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 256, *,
           api_key: str | None = None, shutdown_timeout: float = 0.0, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, read_timeout: float = DEFAULT_READ_TIMEOUT,
@@ -118,9 +138,6 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
     ``scheduler="v1"`` serves stage 10's engine (prefix caching always on)."""
     import torch
     import uvicorn
-
-    from minipaged import LLM
-    from minipaged.stage10_v1_scheduler import LLM as V1LLM
 
     if scheduler not in ("v0", "v1"):
         raise ValueError(f"scheduler must be 'v0' or 'v1', got {scheduler!r}")
@@ -133,12 +150,7 @@ def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_wa
     sock = bind(host, port)
     logging.basicConfig(format="minipaged serve: %(message)s", level=logging.WARNING)
     try:
-        if engine_args.get("speculative_config") is not None:  # drafts, verified (stage 12, on stage 10)
-            from minipaged.stage12_speculative import LLM as V1LLM
-        if engine_args.get("tensor_parallel_size", 1) != 1:  # workers hold the model (stage 11)
-            from minipaged.stage11_tensor_parallel import LLM as V1LLM
-            from minipaged.stage11_tensor_parallel import V0LLM as LLM
-        llm = (V1LLM if scheduler == "v1" else LLM)(model, **engine_args)
+        llm = engine_class(scheduler, engine_args)(model, **engine_args)
         name = served_model_name or model
         app = build_app(llm, name, max_waiting, api_key=api_key, max_logprobs=max_logprobs,
                         max_body_bytes=max_body_bytes, read_timeout=read_timeout, model_path=model)
