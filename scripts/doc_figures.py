@@ -386,9 +386,37 @@ def tensor_parallel():
     _save(fig, "tensor_parallel.svg")
 
 
+def speculative_step():
+    """Stage 12: a request's first step with drafts: two kept, the third rejected, the slots rolled back."""
+    import torch
+
+    from minipaged.learn.viz import plot_speculative_step
+    from minipaged.stage12_speculative import LLM
+
+    torch.set_num_threads(1)
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = LLM("tiny", block_size=4, num_gpu_blocks=64, speculative_config=config)
+    engine, tokenizer = llm.engine, llm.tokenizer
+    engine.add_request("A", {"prompt_token_ids": tokenizer.encode("Return the number of").ids},
+                       SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    seq = engine.requests["A"].seqs[0]
+    while True:  # greedy decoding until the proposer has drafts, and one step more
+        before = list(seq.token_ids)
+        engine.step()
+        drafts = engine.last_scheduler_output.scheduled_spec_decode_tokens.get("A")
+        if drafts:
+            break
+    kept = seq.token_ids[len(before):]
+    fig, ax = plt.subplots(figsize=(7.2, 3.2), layout="constrained")
+    plot_speculative_step(before, drafts, kept, llm.scheduler.block_manager.get_block_table(seq.seq_id), 4,
+                          text=lambda token: tokenizer.decode([token]), ax=ax)
+    _save(fig, "speculative_step.svg")
+
+
 def main():
     for draw in (paged_memory, contiguous_waste, block_pool, block_table, copy_on_write, gather, split_kv,
-                 schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel):
+                 schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
+                 speculative_step):
         draw()
     print(f"wrote {len(list(OUT.glob('*.svg')))} figures to {OUT.relative_to(ROOT)}")
 

@@ -821,3 +821,110 @@ def test_stage11_a_replicated_kv_head():
     queries = range(11 * 4, 12 * 4)  # rank 11's query heads; head h reads KV head h // 8
     assert {q // (c.num_heads // c.num_kv_heads) for q in queries} == {head}
     check11(3, len(holders[0]), head)
+
+
+# Stage 12 ------------------------------------------------------------------------------------
+
+PAGE12 = STAGES / "12_speculative.md"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def check12(index: int, *expected) -> None:
+    """Question ``index`` of stage 12's page and of its translation answers ``expected``."""
+    want = [normal(e) for e in expected]
+    for page in (PAGE12, PAGE12.with_name("12_speculative.zh.md")):
+        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+
+
+def test_stage12_page_ends_with_a_self_check_and_an_interview_answer():
+    for page, headings in ((PAGE12, ("## Self-check", "## Explain it in an interview")),
+                           (PAGE12.with_name("12_speculative.zh.md"),
+                            ("{#self-check}", "{#explain-it-in-an-interview}"))):
+        text = page.read_text(encoding="utf-8")
+        assert 4 <= len(answers(page)) <= 6 and len(answers(page)) == len(answers(PAGE12)), page.name
+        assert text.index(headings[0]) < text.index(headings[1]), page.name
+        bold = [bool(bold_spans(page, i)) for i in range(len(answers(page)))]
+        assert bold == [True] * 5 + [False]  # the last is answered in words
+
+
+def test_stage12_the_step_in_the_figure():
+    """The figure's step (scripts/doc_figures.py draws the same one): the first step with drafts."""
+    from minipaged.stage12_speculative import LLM
+
+    llm = LLM("tiny", block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
+    engine = llm.engine
+    engine.add_request("A", {"prompt_token_ids": llm.tokenizer.encode("Return the number of").ids},
+                       SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    seq = engine.requests["A"].seqs[0]
+    drafts = None
+    while not drafts:
+        before = len(seq)
+        engine.step()
+        drafts = engine.last_scheduler_output.scheduled_spec_decode_tokens.get("A")
+    out = engine.last_scheduler_output
+    kept = seq.token_ids[before:]
+    accepted = llm.spec_decoding_stats.num_accepted_tokens
+    assert before == 12 and len(drafts) == 4 and kept[:accepted] == drafts[:accepted]
+    rolled_back = llm.scheduler.block_manager.table(seq.seq_id).num_tokens - seq.num_computed_tokens
+    check12(0, out.num_scheduled_tokens["A"], len(kept), rolled_back, seq.num_computed_tokens)
+
+
+def test_stage12_drafts_are_cut_to_the_budget_left():
+    from minipaged.stage12_speculative import LLM
+
+    class FourDrafts:
+        def propose(self, token_ids):
+            return [token_ids[-1]] * 4
+
+    llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=6, speculative_config=NGRAM)
+    engine = llm.engine
+    for name, prompt in (("A", [5, 6, 7]), ("B", [8, 9, 10])):  # both prompts fit the first step's budget
+        engine.add_request(name, {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.proposer = FourDrafts()
+    engine.step()
+    engine.step()
+    out = engine.last_scheduler_output
+    assert list(out.scheduled_spec_decode_tokens) == ["A"]
+    check12(1, out.num_scheduled_tokens["A"], out.num_scheduled_tokens["B"])
+
+
+def test_stage12_tokens_a_step_gives_on_average():
+    """Leviathan et al.'s expectation, as the mean acceptance length of drafts kept with probability 0.8."""
+    from minipaged.stage12_speculative import SpecDecodingStats
+
+    alpha, k, drafts = 0.8, 4, 10**6
+    accepted = sum(alpha**i for i in range(1, k + 1))  # P(at least i drafts kept) = alpha^i
+    stats = SpecDecodingStats(num_drafts=drafts, num_draft_tokens=k * drafts,
+                              num_accepted_tokens=round(accepted * drafts))
+    assert stats.mean_acceptance_length == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+    check12(2, f"{stats.mean_acceptance_length:.2f}", f"{stats.mean_acceptance_length / 1.4:.2f}")
+
+
+def frequencies(p, q, draws: int = 20000) -> torch.Tensor:
+    """How often ``accept_or_resample`` returns each token, drafts drawn from ``q`` (seeded)."""
+    from minipaged.stage12_rejection_sampler import RejectionSampler
+
+    generator, counts = torch.Generator().manual_seed(0), torch.zeros(len(p))
+    for _ in range(draws):
+        draft = int(torch.multinomial(q, 1, generator=generator))
+        counts[RejectionSampler.accept_or_resample(p, q, draft, generator)] += 1
+    return counts / draws
+
+
+def test_stage12_an_ngram_draft_is_kept_with_its_probability():
+    p, q = torch.tensor([0.3, 0.5, 0.2]), torch.tensor([1.0, 0.0, 0.0])  # x, y, z; q one-hot at x
+    residual = (p - q).clamp(min=0)
+    residual /= residual.sum()
+    kept = float(torch.minimum(p, q).sum())
+    freq = frequencies(p, q)
+    assert bool(((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / 20000)).all())  # the code gives p
+    check12(3, f"{kept:.1f}", f"{float(residual[1]):.3f}", f"{float(residual[2]):.3f}")
+
+
+def test_stage12_a_draft_models_proposal_is_kept_as_often_as_p_and_q_overlap():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
+    overlap = float(torch.minimum(p, q).sum())
+    (only,) = torch.nonzero((p - q).clamp(min=0)).flatten().tolist()  # the residual's one token
+    assert bool(((frequencies(p, q) - p).abs() <= 5 * torch.sqrt(p * (1 - p) / 20000)).all())
+    check12(4, f"{overlap:.1f}", only)

@@ -325,7 +325,7 @@ def test_every_page_notebook_and_message_shows_one_test_command():
 
 # ---------------------------------------------------------------------------------------------
 # The learner's path: stage N's page, tutorial N, exercise N, then stage N + 1; after stage 9's
-# exercise, tutorial 10 (serving) and the serving page; stages 10 and 11; then the benchmarks. The
+# exercise, tutorial 10 (serving) and the serving page; stages 10, 11 and 12; then the benchmarks. The
 # footers follow it.
 
 class _FooterLinks(HTMLParser):
@@ -368,7 +368,7 @@ def _step(page: str) -> str:
 LEARNERS_PATH = ["exercises/index", *[f"{kind} {n}" for n in range(10)
                                       for kind in ("stage", "tutorial", "exercise")],
                  "tutorial 10", "serving", "stage 10", "tutorial 11", "exercise 10", "stage 11", "tutorial 12",
-                 "exercise 11", "benchmarks"]
+                 "exercise 11", "stage 12", "tutorial 13", "exercise 12", "benchmarks"]
 
 
 def _check_learners_path(pages: list[str]) -> None:
@@ -387,7 +387,7 @@ def test_the_path_check_finds_a_page_out_of_order():
         good += [f"stages/{n}_x.html", f"tutorials/{n:02d}_x.html", f"exercises/stage{n}.html"]
     good += ["tutorials/10_serving.html", "serving.html", "stages/10_x.html", "tutorials/11_x.html",
              "exercises/stage10.html", "stages/11_x.html", "tutorials/12_x.html", "exercises/stage11.html",
-             "benchmarks.html", "api.html"]
+             "stages/12_x.html", "tutorials/13_x.html", "exercises/stage12.html", "benchmarks.html", "api.html"]
     _check_learners_path(good)
     swapped = good.copy()
     swapped[4], swapped[5] = swapped[5], swapped[4]  # tutorial 0 before its stage page

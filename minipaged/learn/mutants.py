@@ -403,6 +403,26 @@ CATALOGUE: list[Mutant] = [
     m(11, "the block moves stay in the driver", ("**step.cache.take_block_moves())",
                                                 "**{k: [] for k in step.cache.take_block_moves()})")),
     m(11, "the heads put back in the wrong order", ("order = sorted(keys)", "order = sorted(keys, reverse=True)")),
+    # stage 12: speculative decoding
+    m(12, "the proposer takes the last occurrence", ("start = int(hits[0]) + n", "start = int(hits[-1]) + n")),
+    m(12, "the proposer tries the shortest suffix first", (
+        "for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1, -1):",
+        "for n in range(self.prompt_lookup_min, min(self.prompt_lookup_max, len(tokens) - 1) + 1):")),
+    m(12, "drafts beyond the token budget", ("room = min(budget - 1,", "room = min(budget,")),
+    m(12, "drafts preempt for their slots", ("if not drafts or not self.fits(seq, 1 + len(drafts)):",
+                                             "if not drafts:")),
+    m(12, "greedy keeps every draft", ("token = int(target.max(dim=-1).indices)  # as the Sampler takes it",
+                                       "token = draft if draft is not None else int(target.max(dim=-1).indices)")),
+    m(12, "p and q inverted", ("min(1.0, float(p[draft] / q[draft]))", "min(1.0, float(q[draft] / p[draft]))")),
+    m(12, "a rejected draft may be drawn again: the residual is p", ("residual = (p - q).clamp(min=0)",
+                                                                     "residual = p.clone()")),
+    m(12, "the verified rows one position late", ("rows = [int(end) - 1 - len(spec[r]) + j for r, end",
+                                                  "rows = [int(end) - len(spec[r]) + j for r, end")),
+    m(12, "the persistent batch keeps the rejected drafts", ("self.num_tokens[row] -= verified",
+                                                             "self.num_tokens[row] -= 0")),
+    m(12, "the scheduler counts the rejected drafts computed", (
+        "seq.num_computed_tokens = len(seq) - 1  # the rejected drafts' K/V are past the tokens: never read",
+        "seq.num_computed_tokens = seq.num_computed_tokens")),
 ]
 
 

@@ -704,3 +704,110 @@ def plot_tensor_parallel(config, tp: int, block_tables: dict, seq_lens: dict, bl
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return ax
+
+
+def plot_speculative_step(token_ids, drafts, kept, block_table, block_size: int, text=None, first=None, ax=None,
+                          title=None):
+    """Stage 12: one request's step with drafts, drawn from what the engine did.
+
+    ``token_ids``: the request's tokens before the step (all computed but the last); ``drafts``: the
+    drafts scheduled with it (``scheduled_spec_decode_tokens``); ``kept``: the tokens the
+    verification appended; ``block_table``: its block ids after the step; ``text``: a token's label
+    (default: its id); ``first``: the first position drawn (default: the start of the block before
+    the one of the last token).
+
+    Top row, the step's input: the last token and the drafts, after tokens computed before. Under
+    each draft, the target's verdict: kept (✓), rejected (✗), never looked at (–, it followed a
+    rejected one). Then the tokens the request keeps: the accepted drafts and one token of the
+    target's own (a bonus when every draft is kept). Bottom row, the request's slots, block by
+    block: K/V from earlier steps, written by this step and kept, written by this step and rolled
+    back (past the tokens: never read, and overwritten as the sequence grows), and free slots.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    token_ids, drafts, kept = list(token_ids), list(drafts), list(kept)
+    n, d = len(token_ids), len(drafts)
+    accepted = 0
+    while accepted < min(d, len(kept)) and drafts[accepted] == kept[accepted]:
+        accepted += 1
+    own = n + accepted if len(kept) > accepted else None  # the target's token, unless a stop came first
+    label = text or str
+    first = max(0, ((n - 1) // block_size - 1) * block_size) if first is None else first
+    last = n + d - 1 + (accepted == d)  # the last draft's position, or the bonus token's
+    slots_end = ((last - 1) // block_size + 1) * block_size  # the end of the last block drawn
+    computed_after = n + accepted if own is not None else n + len(kept) - 1
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.2, 3.2), layout="constrained")
+    grey, blue, orange, green, purple, red = "#d9d9d9", "#6baed6", "#fd8d3c", "#41ab5d", "#807dba", _RED
+
+    def cell(x, y, face, word="", edge="#555555", hatch=None, color="#111111", size=7.5, w=0.92, h=0.8):
+        ax.add_patch(Rectangle((x - w / 2, y), w, h, facecolor=face, edgecolor=edge, linewidth=0.7, hatch=hatch))
+        if word:
+            ax.text(x, y + h / 2, word, ha="center", va="center", fontsize=size, color=color)
+
+    def short(token):
+        word = label(token).replace("\n", "⏎").replace(" ", "␣")
+        return word if len(word) <= 7 else word[:6] + "…"
+
+    rows = {"position": 4.25, "the step's input": 3.3, "verdict": 2.45, "kept": 1.45, "slots (K/V)": 0.0}
+    for name, y in rows.items():
+        ax.text(first - 0.7, y + (0.4 if name != "position" else 0.1), name, ha="right", va="center", fontsize=8,
+                weight="bold" if name != "position" else "normal", color="#333333")
+    for pos in range(first, last + 1):
+        ax.text(pos, rows["position"] + 0.1, str(pos), ha="center", va="center", fontsize=6.5, color="#555555")
+    for pos in range(first, n):  # the tokens before the step; the last one is this step's first input
+        if pos == n - 1:
+            cell(pos, rows["the step's input"], blue, short(token_ids[pos]))
+        else:
+            cell(pos, rows["the step's input"], grey, short(token_ids[pos]), edge="#aaaaaa", color="#555555")
+    for j, token in enumerate(drafts):
+        pos = n + j
+        cell(pos, rows["the step's input"], orange, short(token))
+        mark, colour = ("✓", green) if j < accepted else ("✗", red) if j == accepted else ("–", "#999999")
+        ax.text(pos, rows["verdict"] + 0.4, mark, ha="center", va="center", fontsize=12, color=colour, weight="bold")
+    for j, token in enumerate(kept):
+        pos = n + j
+        cell(pos, rows["kept"], green if j < accepted else purple, short(token), color="white")
+    if own is not None:
+        why = ("a bonus token:\nevery draft kept" if accepted == d
+               else "the target's token in\nthe rejected draft's place")
+        ax.text(own + 0.6, rows["kept"] + 0.4, why, ha="left", va="center", fontsize=7, color=purple, linespacing=1.0)
+    arrow_y = rows["position"] + 0.45
+    ax.annotate("", xy=(n - 1.45, arrow_y), xytext=(n + d - 0.55, arrow_y),
+                arrowprops={"arrowstyle": "<->", "color": "#333333", "lw": 0.8})
+    ax.text(n + (d - 1) / 2, arrow_y + 0.12, f"one forward pass: the last token and {d} drafts, {1 + d} tokens of "
+            "the budget", ha="center", va="bottom", fontsize=7, color="#333333")
+    written = range(n - 1, n + d)  # the K/V this step wrote
+    for pos in range(first, slots_end):
+        if pos < n - 1:
+            cell(pos, rows["slots (K/V)"], "#9ecae1", edge="#777777")
+        elif pos in written and pos < computed_after:
+            cell(pos, rows["slots (K/V)"], green, edge="#777777")
+        elif pos in written:
+            cell(pos, rows["slots (K/V)"], "#fcbba1", edge=red, hatch="///")
+        else:
+            cell(pos, rows["slots (K/V)"], "white", edge="#bbbbbb")
+    for start in range(first, slots_end, block_size):
+        index = start // block_size
+        x0, x1 = start - 0.5, start + block_size - 0.5
+        ax.add_patch(Rectangle((x0, -0.05), x1 - x0, 0.9, facecolor="none", edgecolor="#333333", linewidth=1.3))
+        name = f"block {int(block_table[index])}" if index < len(block_table) else "no block yet"
+        ax.text((x0 + x1) / 2, -0.32, f"logical {index} → {name}", ha="center", va="center", fontsize=7,
+                color="#333333")
+    ax.plot([computed_after - 0.5] * 2, [-0.1, 0.95], color="#333333", lw=1.4)
+    ax.text(computed_after - 0.5, 1.02, f"num_computed_tokens: {computed_after}", ha="center", va="bottom", fontsize=7,
+            color="#333333")
+    handles = [Patch(facecolor="#9ecae1", edgecolor="#777777", label="K/V from earlier steps"),
+               Patch(facecolor=green, edgecolor="#777777", label="written, kept"),
+               Patch(facecolor="#fcbba1", edgecolor=red, hatch="///", label="written, rolled back"),
+               Patch(facecolor=orange, edgecolor="#555555", label="draft"),
+               Patch(facecolor=purple, edgecolor="#555555", label="the target's own token")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles), frameon=False,
+              fontsize=7.5, handlelength=1.4, columnspacing=1.2)
+    ax.set_xlim(first - 3.7, max(slots_end, last + 1) + 1.6)
+    ax.set_ylim(-0.55, 5.15)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax

@@ -1,0 +1,302 @@
+"""Stage 12 — speculative decoding on paged KV: propose, verify in one forward, roll back what is rejected.
+
+A decode step computes one token per request and reads the whole model to do it. With
+speculative decoding (``LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+"prompt_lookup_max": 4, "prompt_lookup_min": 2})``, vLLM's names) each step goes:
+
+1. **Propose.** Before the step, every request whose tokens are all computed but the last gets
+   drafts from the ``NgramProposer`` (``stage12_rejection_sampler``).
+2. **Schedule.** A request with ``d`` drafts is scheduled as ``1 + d`` tokens of the token budget
+   (its last token and the drafts); ``allocate_slots`` finds blocks for the lookahead slots
+   before the step. Drafts that do not fit — the budget, ``max_tokens``, ``max_model_len`` or
+   the free blocks — are cut, down to none: a request decodes without drafts rather than
+   preempt another for them.
+3. **Verify.** One forward pass computes the last token and the drafts together (the varlen
+   path that chunks use), their K/V written into the slots. The runner returns the target's
+   logits at all ``1 + d`` positions, and the ``RejectionSampler`` keeps the longest run of
+   drafts the target agrees with, plus one token of the target's own: ``a + 1`` tokens.
+4. **Roll back.** The rejected drafts' K/V sit in slots past the request's tokens: nothing reads
+   them, and the next step's tokens overwrite them. ``num_computed_tokens`` goes back to what
+   was verified (in the scheduler and in the runner's persistent batch), the slots stay
+   allocated. Prefix caching names a block only once its sequence's tokens are known (stage
+   9 caches the blocks of the prompt), so no hash ever covers a draft.
+
+Greedy outputs are stage 10's, token for token; sampled outputs have stage 10's distribution.
+A stop token, a stop string or ``max_tokens`` among the kept tokens ends the request there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import torch
+
+from minipaged import stage10_v1_scheduler
+from minipaged.common.config import ResolvedEngineConfig, SpeculativeConfig
+from minipaged.common.sampling_params import RequestOutput
+from minipaged.common.sequence import Sequence
+from minipaged.models import CausalLM
+from minipaged.stage7_engine import Request
+from minipaged.stage10_model_runner import CachedRequestData, InputBatch, NewRequestData, V1ModelRunner
+from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine, V1Scheduler, prompt_logprob_rows
+from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
+
+
+@dataclasses.dataclass
+class SpecDecodingStats:
+    """Drafts proposed, draft tokens verified, and how many the target kept (vLLM's names)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Of the draft tokens verified, the fraction kept."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft gives on average: the drafts kept, and the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclasses.dataclass
+class SpecSchedulerOutput(SchedulerOutput):
+    """Stage 10's step, with the drafts scheduled for each request (vLLM's ``scheduled_spec_decode_tokens``)."""
+
+    scheduled_spec_decode_tokens: dict[Hashable, list[int]] = dataclasses.field(default_factory=dict)
+
+
+class SpecDecodeScheduler(V1Scheduler):
+    """V1's scheduler, a request with drafts scheduled as its last token and its drafts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec_token_ids: dict[Hashable, list[int]] = {}  # the drafts proposed for the next step
+        self.scheduled_spec: dict[Hashable, list[int]] = {}
+
+    def fits(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Would ``allocate_slots(seq, num_new_tokens)`` find the blocks, with nobody preempted?"""
+        manager = self.block_manager
+        table = manager.table(seq.seq_id)
+        total = max(table.num_tokens, seq.num_computed_tokens + num_new_tokens)
+        return manager.blocks_needed(total) - len(table.block_ids) <= manager.num_free_blocks
+
+    def num_new_tokens(self, request: Request, budget: int) -> int:
+        """Stage 10's count; a decode with drafts adds as many of them as the budget, the request's
+        ``max_tokens`` and ``max_model_len``, and the free blocks leave room for."""
+        n = super().num_new_tokens(request, budget)
+        drafts = self.spec_token_ids.pop(request.request_id, [])
+        seq = request.seqs[0]
+        if n != 1 or not drafts:
+            return n
+        # BEGIN SOLUTION cut the drafts to the budget, max_tokens and max_model_len; none unless their slots fit
+        room = min(budget - 1, request.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - len(seq) - 1)
+        drafts = drafts[:max(0, room)]
+        if not drafts or not self.fits(seq, 1 + len(drafts)):
+            return 1
+        self.scheduled_spec[request.request_id] = drafts
+        return 1 + len(drafts)
+        # END SOLUTION
+
+    def schedule(self) -> SpecSchedulerOutput:
+        self.scheduled_spec = {}
+        out = super().schedule()
+        self.spec_token_ids = {}  # proposals are for one step
+        spec = {r: d for r, d in self.scheduled_spec.items() if r in out.num_scheduled_tokens}
+        return SpecSchedulerOutput(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)},
+                                   scheduled_spec_decode_tokens=spec)
+
+
+class SpecInputBatch(InputBatch):
+    """The persistent batch with each request's drafts after its tokens, for the step they are verified in."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_drafts: dict[Hashable, int] = {}  # drafts at the end of each row, since the last step
+        self.drafts: dict[Hashable, list[int]] = {}  # this step's, written after the row's update
+
+    def add_request(self, new: NewRequestData) -> None:
+        self.num_drafts.pop(new.req_id, None)
+        super().add_request(new)
+
+    def update_request(self, cached: CachedRequestData) -> None:
+        """Drop the row's drafts (the tokens the target kept arrive as new tokens), then append the
+        update, then this step's drafts. After a verification the row's last token is not computed."""
+        row = self.row_of[cached.req_id]
+        # BEGIN SOLUTION roll back past the drafts; apply the update; computed = all but the last; add the drafts
+        verified = self.num_drafts.pop(cached.req_id, None)
+        if verified is not None:
+            self.num_tokens[row] -= verified
+        super().update_request(cached)
+        if verified is not None:
+            self.num_computed_tokens[row] = self.num_tokens[row] - 1
+        drafts = self.drafts.get(cached.req_id, [])
+        t = self.num_tokens[row]
+        self.token_ids[row, t:t + len(drafts)] = drafts
+        self.num_tokens[row] += len(drafts)
+        if drafts:
+            self.num_drafts[cached.req_id] = len(drafts)
+        # END SOLUTION
+
+    def remove_request(self, req_id: Hashable) -> None:
+        self.num_drafts.pop(req_id, None)
+        super().remove_request(req_id)
+
+
+class KeepHiddenStates:
+    """The model, keeping the last forward pass's hidden states for the verifier to read."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.hidden_states: torch.Tensor | None = None
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        self.hidden_states = self.model(*args)
+        return self.hidden_states
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+class SpecDecodeModelRunner(V1ModelRunner):
+    """Stage 10's runner; after its rows come the target's logits at the positions before each draft."""
+
+    def __init__(self, model: CausalLM, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, *args, **kwargs)
+        batch = self.input_batch
+        self.input_batch = SpecInputBatch(*batch.token_ids.shape, batch.block_table.shape[1])
+        self.keep = KeepHiddenStates(model)
+        self.model = self.keep  # type: ignore[assignment]  # called as the model is
+
+    def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
+        """Stage 10's ``(req_ids, logits)``; then, for each request with ``d`` drafts (in the step's
+        order), the ``d`` rows of its last token and of every draft but the last (whose row is the
+        request's own, among the first ones)."""
+        spec = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
+        self.input_batch.drafts = spec  # type: ignore[attr-defined]
+        req_ids, logits = super().execute_model(out)
+        if not spec:
+            return req_ids, logits
+        ends = np.cumsum(list(out.num_scheduled_tokens.values()))  # (num_reqs,) one past each request's last token
+        # BEGIN SOLUTION the flat index of the last token and of each draft but the last, request by request
+        rows = [int(end) - 1 - len(spec[r]) + j for r, end in zip(out.num_scheduled_tokens, ends, strict=True)
+                if r in spec for j in range(len(spec[r]))]
+        # END SOLUTION
+        assert self.keep.hidden_states is not None
+        with torch.inference_mode():
+            extra = self.keep.compute_logits(self.keep.hidden_states[torch.tensor(rows, device=self.device)]).float()
+        return req_ids, torch.cat([logits, extra])
+
+
+class SpecDecodeEngine(V1Engine):
+    """Stage 10's engine with drafts: propose before each step, verify after it."""
+
+    scheduler: SpecDecodeScheduler  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.proposer: NgramProposer | None = None  # given by the LLM: None, no drafts
+        self.rejection_sampler = RejectionSampler(self.sampler.eos_token_ids, self.sampler.logprobs_mode)
+        self.spec_stats = SpecDecodingStats()
+
+    def step(self) -> list[RequestOutput]:
+        self.propose()
+        return super().step()
+
+    def propose(self) -> None:
+        """Drafts for every running request whose tokens are all computed but its last."""
+        if self.proposer is None:
+            return
+        for request in self.scheduler.running:
+            seq = request.seqs[0]
+            if not request.is_finished() and seq.num_computed_tokens == len(seq) - 1:
+                drafts = self.proposer.propose(seq.token_ids)
+                if drafts:
+                    self.scheduler.spec_token_ids[request.request_id] = drafts
+
+    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
+        """Stage 10's step; a request with drafts gets the tokens the rejection sampler keeps."""
+        spec = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
+        prompt_rows = prompt_logprob_rows(out)
+        req_ids, logits = self.runner.execute_model(out)
+        n, m = len(req_ids), sum(len(p) for _, p in prompt_rows)
+        self.record_prompt_logprobs(prompt_rows, logits[n:n + m])
+        draft_rows, at = {}, n + m
+        for r in out.num_scheduled_tokens:
+            if r in spec:
+                draft_rows[r], at = logits[at:at + len(spec[r])], at + len(spec[r])
+        requests = [self.requests[r] for r in req_ids]
+        plain = [i for i, r in enumerate(req_ids) if r not in spec]
+        if plain:
+            seqs, params = [requests[i].seqs[0] for i in plain], [requests[i].params for i in plain]
+            sampled = self.sampler(logits[plain], seqs, params)
+            for k, i in enumerate(plain):
+                self.append_token(requests[i], seqs[k], sampled.token_ids[k], sampled.logprobs[k],
+                                  sampled.top_logprobs[k])
+        for i, request in enumerate(requests):
+            if request.request_id in spec:
+                rows = torch.cat([draft_rows[request.request_id], logits[i:i + 1]])  # (d + 1, vocab)
+                self.verify(request, spec[request.request_id], rows)
+        self.last_scheduler_output = out
+        return requests
+
+    def verify(self, request: Request, drafts: list[int], logits: torch.Tensor) -> None:
+        """Keep what the rejection sampler keeps, token by token (a stop ends it there); then roll
+        ``num_computed_tokens`` back to the tokens verified."""
+        seq = request.seqs[0]
+        # BEGIN SOLUTION verify; append each kept token until one stops the request; roll back what was computed
+        kept = self.rejection_sampler(logits, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
+                                      request.params, drafts)
+        for token, logprob, top in zip(kept.token_ids, kept.logprobs, kept.top_logprobs, strict=True):
+            self.append_token(request, seq, token, logprob, top)
+            if request.is_finished():
+                break
+        else:
+            seq.num_computed_tokens = len(seq) - 1  # the rejected drafts' K/V are past the tokens: never read
+        # END SOLUTION
+        self.spec_stats.num_drafts += 1
+        self.spec_stats.num_draft_tokens += len(drafts)
+        self.spec_stats.num_accepted_tokens += kept.num_accepted
+
+
+class LLM(stage10_v1_scheduler.LLM):
+    """Stage 10's engine with speculative decoding: ``LLM(speculative_config={...})``."""
+
+    engine_class = SpecDecodeEngine
+    engine: SpecDecodeEngine  # type: ignore[assignment]
+
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        spec = self.config.speculative_config
+        if isinstance(spec, SpeculativeConfig):
+            self.engine.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                                 spec.prompt_lookup_min)
+
+    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
+        if config.async_scheduling:
+            raise ValueError("speculative decoding here schedules a step after the last one is verified: "
+                             "async_scheduling is refused with it")
+        super().check_config(dataclasses.replace(config, speculative_config=None))
+        return config
+
+    def build_scheduler(self, block_manager: Any) -> SpecDecodeScheduler:  # type: ignore[override]
+        c = self.config
+        assert c.max_num_batched_tokens is not None
+        return SpecDecodeScheduler(stage10_v1_scheduler.KVCacheManager(block_manager),
+                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+                                   max_model_len=c.max_model_len)
+
+    def build_runner(self) -> SpecDecodeModelRunner:  # type: ignore[override]
+        c = self.config
+        return SpecDecodeModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
+                                     self.attention_backend())
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats:
+        """Drafts, draft tokens and accepted tokens since this ``LLM`` was made."""
+        return dataclasses.replace(self.engine.spec_stats)
