@@ -93,6 +93,7 @@ class Worker:
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.device = torch.device(config.device)
         self.all_reduce_bytes = 0  # counted once asked for (count_all_reduce_bytes)
+        self.counting = False
 
     def init_device(self) -> None:
         """Join the other ranks: gloo on CPUs, NCCL on CUDA devices; every collective times out."""
@@ -143,7 +144,7 @@ class Worker:
     def count_all_reduce_bytes(self) -> int:
         """From now on, count the bytes this rank all-reduces (the output of every row-parallel
         layer and of the embedding); return the count so far."""
-        if not getattr(self, "counting", False):
+        if not self.counting:
             self.counting = True
 
             def count(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:

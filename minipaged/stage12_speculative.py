@@ -38,30 +38,12 @@ from minipaged import stage10_v1_scheduler
 from minipaged.common.config import ResolvedEngineConfig, SpeculativeConfig
 from minipaged.common.sampling_params import RequestOutput
 from minipaged.common.sequence import Sequence
+from minipaged.common.stats import SpecDecodingStats, Stats
 from minipaged.models import CausalLM
 from minipaged.stage7_engine import Request
 from minipaged.stage10_model_runner import CachedRequestData, InputBatch, NewRequestData, V1ModelRunner
 from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine, V1Scheduler, prompt_logprob_rows
 from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
-
-
-@dataclasses.dataclass
-class SpecDecodingStats:
-    """Drafts proposed, draft tokens verified, and how many the target kept (vLLM's names)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Of the draft tokens verified, the fraction kept."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verified draft gives on average: the drafts kept, and the target's own token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclasses.dataclass
@@ -300,3 +282,8 @@ class LLM(stage10_v1_scheduler.LLM):
     def spec_decoding_stats(self) -> SpecDecodingStats:
         """Drafts, draft tokens and accepted tokens since this ``LLM`` was made."""
         return dataclasses.replace(self.engine.spec_stats)
+
+    @property
+    def stats(self) -> Stats:
+        """Stage 10's statistics, the drafts' beside them (``Stats.spec_decoding``)."""
+        return dataclasses.replace(super().stats, spec_decoding=self.spec_decoding_stats)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers_checkpoints import save_random_checkpoints
 
 from minipaged.models import AttentionMetadata, load_config, load_model
 from minipaged.models import parallel as parallel_module
@@ -65,21 +66,7 @@ BLOCK_TABLES = [[3, 1], [4, 0]]  # sequence 0 in blocks 3 then 1, sequence 1 in 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A seeded, randomly initialised transformers model per architecture, saved with save_pretrained."""
-    import transformers  # here, not at the top: the spawned ranks import this module and need no transformers
-
-    made = {}
-    for i, (name, (config_class, kwargs)) in enumerate(ARCHITECTURES.items()):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
-        with torch.no_grad():  # biases start at 0 and norms at 1: move them, so that loading them wrong shows
-            for param in model.parameters():
-                if param.dim() == 1:
-                    param.add_(0.1 * torch.randn_like(param))
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        made[name] = path
-    return made
+    return save_random_checkpoints(tmp_path_factory, ARCHITECTURES)
 
 
 def steps(vocab: int) -> list[dict]:
@@ -456,7 +443,7 @@ def test_a_rank_reads_only_its_part_of_each_split_weight(checkpoints, monkeypatc
              "up_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
     from safetensors import safe_open
 
-    with safe_open(str(checkpoints["llama-replicated"] / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(Path(checkpoints["llama-replicated"]) / "model.safetensors"), framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     assert set(reads) == set(shapes)
     for name, parts in reads.items():
@@ -468,7 +455,7 @@ def test_a_rank_reads_only_its_part_of_each_split_weight(checkpoints, monkeypatc
 
 
 def test_a_bin_checkpoint_loads_the_same_shards_as_safetensors(checkpoints, tmp_path):
-    source = checkpoints["qwen2"]
+    source = Path(checkpoints["qwen2"])
     shutil.copy(source / "config.json", tmp_path / "config.json")
     whole, _ = load_model(source)
     from safetensors.torch import load_file

@@ -30,7 +30,7 @@ def server(served):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def wait_idle(served, timeout=20):

@@ -149,7 +149,7 @@ def test_chat_uses_the_models_template_as_transformers_renders_it(url, reference
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert post(url, "/tokenize", messages=messages).json()["tokens"] == list(ids)
     want = reference.generate([rendered], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
     assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.outputs[0].text
     assert got.object == "chat.completion" and got.usage.prompt_tokens == len(ids)
@@ -297,10 +297,10 @@ def test_the_api_key_guards_the_v1_routes_as_vllm_does():
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"},
                           headers={"authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(f"{server.url}/health").status_code == 200  # vLLM guards /v1 only
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0, timeout=60).models.list()
     finally:
         server.close()
 

@@ -177,6 +177,41 @@ def test_bodies_over_the_limit_get_413_and_half_sent_bodies_408():
         server.close()
 
 
+def test_a_step_that_fails_before_it_takes_any_request_fails_them_and_never_spins():
+    """The scheduler raises, so the engine aborts nothing: the server takes the requests out itself,
+    replays each alone, answers each with an error, and serves the next request once the fault is gone."""
+    llm = LLM("tiny", num_gpu_blocks=32, max_model_len=128)
+    scheduler = llm.engine.scheduler
+    schedule, mode = scheduler.schedule, {"fail": True, "calls": 0}
+
+    def faulty(*args, **kwargs):
+        if mode["fail"]:
+            mode["calls"] += 1
+            raise RuntimeError("a bug before any request is touched")
+        return schedule(*args, **kwargs)
+
+    scheduler.schedule = faulty
+    server = ThreadServer(llm)
+    try:
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code))
+            for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert answers == [500, 500]
+        assert mode["calls"] <= 4  # the failed step, then one replay per request alone: no spinning
+        assert not llm.engine.has_unfinished_requests()
+        manager = llm.scheduler.block_manager
+        assert manager.num_free_blocks == manager.num_total_blocks
+        mode["fail"] = False
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        server.close()
+
+
 def test_health_is_503_while_the_engine_fails_or_a_step_hangs():
     llm = LLM("tiny", num_gpu_blocks=32, max_model_len=128)
     runner = llm.engine.runner

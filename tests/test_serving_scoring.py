@@ -41,7 +41,7 @@ def url(served):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_prompt_logprobs_on_chat_at_the_top_of_the_answer(url, reference):
     got = post(url, "/v1/chat/completions", messages=messages, max_tokens=2, prompt_logprobs=1, temperature=0).json()
     assert got["usage"]["prompt_tokens"] == len(ids) and "prompt_logprobs" not in got["choices"][0]
     check_prompt_logprobs_shape(got["prompt_logprobs"], ids, 1, engine_prompt_logprobs(reference, ids))
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     typed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
                                            extra_body={"prompt_logprobs": 0})
     assert len(typed.model_extra["prompt_logprobs"]) == len(ids)

@@ -27,7 +27,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 PROMPTS = ["Return the number of", "If the file does not exist, raise an error and"]
@@ -86,7 +86,7 @@ def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
 def test_an_async_scheduling_server_streams_what_generate_gives():
     server = ThreadServer(LLM("tiny", async_scheduling=True, **ENGINE_ARGS))
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
         llm = LLM("tiny", **ENGINE_ARGS)
         for prompt in PROMPTS:
             want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]

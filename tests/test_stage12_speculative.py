@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.stage9_prefix_caching import ROOT, block_hash
@@ -20,14 +21,6 @@ pytestmark = pytest.mark.stage12
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 REPEATS = [5, 17, 90, 3, 42, 8, 25, 11, 7]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompts(seed=0):
@@ -156,6 +149,7 @@ def test_greedy_outputs_equal_stage_10s_for_any_budget_and_cache(budget, blocks)
     llm = LLM("tiny", speculative_config=NGRAM, **kwargs)
     assert_same(run(llm, prompts(), params), expected, llm)
     stats = llm.spec_decoding_stats
+    assert llm.stats.spec_decoding == stats and llm.stats.as_dict()["spec_decode_num_drafts"] == stats.num_drafts
     if budget == 1:  # no room for a draft beside the last token: plain decoding
         assert stats.num_drafts == 0
     else:
@@ -245,7 +239,7 @@ def test_sampling_parameters_and_stops_apply_as_without_drafts():
         assert_same(run(llm, prompts(), params), expected, llm)
 
 
-def test_seeded_sampling_repeats_itself_and_keeps_the_targets_distribution_of_a_first_token():
+def test_seeded_sampling_with_drafts_repeats_itself():
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=8, seed=s) for s in range(3)]
     llm = LLM("tiny", speculative_config=NGRAM)
     first = [o.outputs[0].token_ids for o in run(llm, [REPEATS * 4] * 3, params)]
@@ -325,9 +319,11 @@ def test_speculative_config_is_checked_and_refused_below_stage_12():
         Stage10LLM("tiny", speculative_config=NGRAM)
     with pytest.raises(ValueError):
         LLM("tiny", speculative_config=NGRAM, async_scheduling=True)
+    lookup = {**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 1}  # the bounds may meet
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert_same(run(LLM("tiny", speculative_config=NGRAM), prompts(), params),
-                run(Stage10LLM("tiny"), prompts(), params), LLM("tiny"))
+    llm = LLM("tiny", speculative_config=lookup)
+    assert_same(run(llm, prompts(), params), run(Stage10LLM("tiny"), prompts(), params), llm)
+    assert llm.spec_decoding_stats.num_drafts > 0
 
 
 @pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
@@ -366,7 +362,7 @@ def test_serve_with_speculative_config_answers_and_counts_its_drafts_in_metrics(
     process, url = start_server("--num-gpu-blocks", "256", "--max-model-len", "256", "--scheduler", "v1",
                                 "--speculative-config", json.dumps(NGRAM), timeout=180)
     try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         got = client.completions.create(model="tiny", prompt=REPEATS * 4, max_tokens=24, temperature=0)
         want = run(Stage10LLM("tiny"), [REPEATS * 4], SamplingParams(max_tokens=24, temperature=0.0))[0]
         assert got.choices[0].text == want.outputs[0].text

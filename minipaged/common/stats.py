@@ -6,8 +6,10 @@
   (stages 6 and 10: ``make_stats()``).
 * ``EngineStats`` — what the engine's steps computed: steps, prefill and decode tokens,
   and the KV slots that held a token against the slots held (stage 7's engine: ``stats``).
-* ``Stats`` — the three together, as ``LLM.stats`` gives them after ``generate``; the
-  server's metrics, the live page and the benchmarks read the same objects.
+* ``SpecDecodingStats`` — drafts proposed, draft tokens verified and the tokens kept (stage
+  12's engine).
+* ``Stats`` — these together, as ``LLM.stats`` gives them after ``generate``; the server's
+  metrics, the live page and the benchmarks read the same objects.
 """
 
 from __future__ import annotations
@@ -71,14 +73,34 @@ class EngineStats:
         return self.token_slots / self.held_slots if self.held_slots else 0.0
 
 
+@dataclass
+class SpecDecodingStats:
+    """Drafts proposed, draft tokens verified, and how many the target kept (vLLM's names)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Of the draft tokens verified, the fraction kept."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft gives on average: the drafts kept, and the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 @dataclass(frozen=True)
 class Stats:
-    """What an ``LLM`` counted, read after ``generate``: its engine's, its scheduler's and, with
-    prefix caching, its cache's statistics."""
+    """What an ``LLM`` counted, read after ``generate``: its engine's, its scheduler's, with
+    prefix caching its cache's, and with speculative decoding its drafts' statistics (else None)."""
 
     engine: EngineStats
     scheduler: SchedulerStats
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    spec_decoding: SpecDecodingStats | None = None
 
     # the figures a learner reads most, by their short names
     steps = property(lambda self: self.engine.steps)
@@ -97,4 +119,6 @@ class Stats:
         return {**asdict(self.engine), "kv_utilization": self.kv_utilization, **asdict(self.scheduler),
                 "kv_cache_usage": self.scheduler.kv_cache_usage,
                 **{f"prefix_cache_{k}": v for k, v in asdict(self.prefix_cache).items()},
-                "prefix_cache_hit_rate": self.prefix_cache.hit_rate}
+                "prefix_cache_hit_rate": self.prefix_cache.hit_rate,
+                **({} if self.spec_decoding is None else
+                   {f"spec_decode_{k}": v for k, v in asdict(self.spec_decoding).items()})}

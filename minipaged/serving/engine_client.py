@@ -290,6 +290,10 @@ class EngineClient:
                 outputs = self._engine.step()
             except Exception as err:  # the engine aborted what the step touched
                 lost = [r for r in self._in_engine if r not in self._engine.requests]
+                if not lost:  # it failed before it took any: none of them is known to be sound, and
+                    lost = list(self._in_engine)  # stepping them again would fail the same way forever
+                    for request_id in lost:
+                        self._engine.abort_request(request_id)
                 self._in_engine.difference_update(lost)
                 return admitted, [], err, lost
             for output in outputs:
@@ -408,7 +412,7 @@ class EngineClient:
         with self._lock:  # the components' statistics objects, not the live page's block map
             counted, block_size = self._llm.stats, self._llm.scheduler.block_manager.block_size
             sched, cache = counted.scheduler, counted.prefix_cache
-            spec = getattr(self._llm, "spec_decoding_stats", None)  # an engine with speculative decoding (stage 12)
+            spec = counted.spec_decoding  # with speculative decoding (stage 12), else None
             drafts = {} if spec is None else {"spec_decode_num_drafts": spec.num_drafts,
                                               "spec_decode_num_draft_tokens": spec.num_draft_tokens,
                                               "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
