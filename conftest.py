@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -36,17 +37,53 @@ if Path(minipaged.__file__).resolve().parent != ROOT / "minipaged":
     )
 
 
+STAGE_NAME = re.compile(r"stage(\d+)", re.I)
+
+
+def _stage_matcher(item):
+    """pytest's ``-k`` matcher for ``item``, except that a stage name is read whole: ``stage1``
+    matches ``stage1`` and ``test_stage1_block_allocator.py``, never ``stage10``."""
+    from _pytest.mark import KeywordMatcher
+
+    substring = KeywordMatcher.from_item(item)
+    names = list(item.keywords)
+
+    def matches(name, /, **kwargs):
+        stage = STAGE_NAME.fullmatch(name)
+        if stage is None:
+            return substring(name, **kwargs)
+        whole = re.compile(rf"stage{int(stage.group(1))}(?!\d)", re.I)
+        return any(whole.search(n) for n in names)
+
+    return matches
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     """For the mutant catalogue: tests that build checkpoints run last, so a mutant fails sooner.
 
-    ``pytest -k stage1`` selects stage 1's tests and not stage 10's: in the one test command,
-    a stage's number is read whole (pytest alone matches ``stage1`` inside ``stage10``)."""
+    ``pytest -k`` reads a stage's number whole: ``-k stage1`` selects stage 1's tests and not
+    stage 10's, and so does every expression over stage names (``-k "stage0 or stage1"``,
+    ``-k "stage6 and not rule_"``); pytest alone matches ``stage1`` inside ``stage10``. The
+    expression is evaluated here, by pytest's own parser, and pytest's own ``-k`` pass is
+    given nothing more to do."""
+    from _pytest.mark.expression import Expression
+
     if os.environ.get("MINIPAGED_CHEAP_TESTS_FIRST"):
         items.sort(key=lambda item: "checkpoints" in getattr(item, "fixturenames", ()))
-    stage = re.fullmatch(r"\s*stage(\d+)\s*", config.getoption("keyword") or "", re.I)
-    if stage:
-        whole = re.compile(rf"stage{stage.group(1)}(?!\d)", re.I)
-        other = [item for item in items if not any(whole.search(name) for name in item.keywords)]
-        if other:
-            config.hook.pytest_deselected(items=other)
-            items[:] = [item for item in items if item not in other]
+    keyword = config.option.keyword
+    try:
+        expression = Expression.compile(keyword.strip()) if re.search(r"\bstage\d+\b", keyword, re.I) else None
+    except SyntaxError:  # pytest reports it, as it reports any bad -k
+        expression = None
+    if expression is None:
+        return (yield)
+    other = [item for item in items if not expression.evaluate(_stage_matcher(item))]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [item for item in items if item not in set(other)]
+    config.option.keyword = ""
+    try:
+        return (yield)
+    finally:
+        config.option.keyword = keyword

@@ -15,6 +15,7 @@ the two traces.
 
 from __future__ import annotations
 
+from minipaged.perf.simulate import OPT_13B_SLOTS as OPT_13B_SLOTS  # the paper's budget, for the benchmarks
 from minipaged.perf.simulate import Request, synthetic_requests
 
 TRACES = {
@@ -22,7 +23,6 @@ TRACES = {
     "Alpaca": {"mean_prompt": 19.31, "mean_output": 58.45},
 }
 MAX_LEN = 2048
-OPT_13B_SLOTS = 15_728  # 12 GiB of KV cache on an A100-40GB / 800 KiB per token (OPT-13B, float16)
 
 
 def trace(name: str, num_requests: int, rate: float, seed: int = 0, max_len: int = MAX_LEN) -> list[Request]:

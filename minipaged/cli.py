@@ -68,11 +68,23 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from minipaged.learn.exercise import edited_stage, format_grades, grade
+    from minipaged.learn.grade import format_report, format_rubric, grade_report, gradescope_results, write_results
 
-    rows = grade(Path(args.directory), args.stage)
-    print(format_grades(rows, edited_stage(Path(args.directory))))
-    return 0 if rows and all(r.status == "complete" for r in rows) else 1
+    tests = Path(args.tests) if args.tests else None
+    report = grade_report(Path(args.directory), args.stage, tests, collect_only=args.rubric)
+    if args.rubric:
+        print(json.dumps(report["rubric"] | {"stages": report["stages"]}, indent=2) if args.json
+              else format_rubric(report))
+        return 0
+    if args.output or args.format:
+        data = gradescope_results(report) if args.format == "gradescope" else report
+        path = write_results(Path(args.output or "results.json"), data, force=args.force)
+        print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    done = {"complete", "blocked", "no tests"}
+    rows = report["stages"]
+    return 0 if not report["refused"] and all(r["status"] in done for r in rows) and any(
+        r["status"] == "complete" for r in rows) else 1
 
 
 DEMO_PROMPTS = [
@@ -172,6 +184,13 @@ def _add_learning_commands(sub) -> None:
     p = sub.add_parser("grade", help="run the stage tests of a workspace and print a table")
     p.add_argument("directory", nargs="?", default=".")
     p.add_argument("--stage", type=int, action="append", help="grade only this stage (repeatable)")
+    p.add_argument("--tests", metavar="DIR", help="a teacher's extra tests, run beside the workspace's own")
+    p.add_argument("--json", action="store_true", help="print the whole report as JSON instead of the table")
+    p.add_argument("--rubric", action="store_true", help="print the rubric: points per stage and per test")
+    p.add_argument("--format", choices=["json", "gradescope"],
+                   help="write the report to --output: as printed by --json, or as Gradescope's results.json")
+    p.add_argument("--output", metavar="FILE", help="the file --format writes (default: ./results.json)")
+    p.add_argument("--force", action="store_true", help="let --output replace a file this grader did not write")
     p.set_defaults(run=_grade)
 
     p = sub.add_parser("mutants", help="prove that each stage's tests catch its plausible wrong implementations")

@@ -11,6 +11,11 @@ maximum ``m``, the running sum ``l`` of ``exp(score - m)``, and the running weig
 ``acc`` of values; when a tile raises the maximum, rescale ``l`` and ``acc`` by
 ``exp(m_old - m_new)``. At the end ``acc / l`` is exactly the softmax-weighted sum.
 
+A head's ``head_dim`` values are padded to ``D_PAD``, a power of two, inside the kernels; every
+load of a row (a query, a K or V tile) is masked by ``offs_d < HEAD_DIM``, since the memory past
+``head_dim`` is not the head's: the next head's values, or a padded row's spare slots, which may
+hold anything (NaN times a zero query is still NaN).
+
 Three kernels, each checked against stage 4:
 
 * ``v1`` (decode) — one program per (sequence, KV head). All the query heads that share

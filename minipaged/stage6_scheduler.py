@@ -175,7 +175,8 @@ class Scheduler:
         and ``max_num_seqs`` counts the running, swapped-in and admitted groups alike (each as
         ``max_num_running_seqs``). The watermark is ``watermark_blocks`` while something runs — a
         group decoded, swapped in or admitted in this step — and 0 while nothing does (nothing
-        could free blocks then).
+        could free blocks then): into an empty batch, a group that needs more than
+        ``num_total_blocks - watermark_blocks`` blocks is still swapped in or admitted.
 
         Returns the batch, the block moves of the step (the copy-on-write copies last), and the
         groups it preempted. Each phase lists its groups in the order it takes them, a group's
@@ -263,10 +264,11 @@ class Scheduler:
         """Phase 3, unless something was preempted in this step or anything waits in swap: admit
         waiting groups, oldest first, stopping at the first that does not fit — the blocks of its
         waiting sequences (``blocks_needed`` of each one's full length) plus the watermark must be
-        free, ``max_num_seqs`` as above, and its tokens (each waiting sequence's full length)
-        within the budget left (a group larger than the whole budget runs alone, when nothing else
-        is scheduled yet); ``allocate`` each sequence, set its ``num_computed_tokens`` to what
-        ``allocate`` returns, and schedule the tokens not already in the cache.
+        free, ``max_num_seqs`` as above, and its tokens (each waiting sequence's full length: a
+        recomputed one's generated tokens are prefilled again, and count too) within the budget
+        left (a group larger than the whole budget runs alone, when nothing else is scheduled yet);
+        ``allocate`` each sequence, set its ``num_computed_tokens`` to what ``allocate`` returns,
+        and schedule the tokens not already in the cache.
         """
         manager = self.block_manager
         # BEGIN SOLUTION oldest first, while blocks, sequences and tokens last

@@ -79,9 +79,12 @@ def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[Request, range, int]
     it: ``(request, positions, index of the first position's token in the flat batch)``, in order.
 
     A request's first sequence computes its prompt (the others of a group share or repeat it)."""
-    rows, offset = [], 0
+    rows: list[tuple[Request, range, int]] = []
+    offset = 0
     firsts = {id(g.seqs[0]): cast("Request", g) for g in out.scheduled_groups
               if cast("Request", g).params.prompt_logprobs is not None}
+    if not firsts:  # the usual step: no walk over the batch
+        return rows
     for seq, n in out.scheduled:
         if id(seq) in firsts:
             start = len(seq) - n
@@ -109,7 +112,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step: ``(num_seqs, vocab)`` float32 logits, one row per scheduled sequence, in order.
 
-        First the block moves, in this order: swap out, swap in, copy-on-write copies. Then one
+        First the block moves, in this order: swap out, swap in, copy-on-write copies — a copy's
+        source may be a block swapped in in this step, its destination a GPU block that a swap-out
+        in this step has just freed (the scheduler never swaps in and out in one step). Then one
         forward pass over the new tokens of every scheduled sequence, flattened: a sequence with
         ``n`` new tokens contributes its last ``n`` token ids at positions ``len - n .. len - 1``;
         their K/V go to the block manager's ``slot_mapping``; attention reads through

@@ -19,7 +19,11 @@ candidate that ends (an end token, or the length limit) among the first ``beam_w
 becomes a finished hypothesis, scored ``logprob / generated_len ** length_penalty``; the
 best ``beam_width`` others become the next beams. A beam kept twice is forked; a beam not
 kept is freed, and its blocks return to the pool once no other beam shares them. Search
-stops as transformers' ``generate(num_beams=...)`` does — so the two agree token for token.
+stops as transformers' ``generate(num_beams=...)`` does — so the two agree token for token:
+with ``early_stopping=True`` as soon as ``beam_width`` hypotheses are finished; with ``False``
+once they are and the best running beam's log-probability divided by the current
+``generated_len ** length_penalty`` cannot beat the worst of them; with ``"never"`` the same,
+but divided by ``max_tokens ** length_penalty`` when the penalty is positive.
 """
 
 from __future__ import annotations

@@ -39,7 +39,16 @@ from minipaged.learn.viz import (  # noqa: E402
     plot_schedule,
     plot_split_kv,
 )
-from minipaged.perf.simulate import SimulatedRunner, simulated_engine  # noqa: E402
+from minipaged.perf.kernel_report import GPUS  # noqa: E402
+from minipaged.perf.simulate import (  # noqa: E402
+    OPT_13B_KV_BUDGET,
+    OPT_13B_WEIGHT_BYTES,
+    SimulatedRunner,
+    decode_bend,
+    decode_bound,
+    requests_that_fit,
+    simulated_engine,
+)
 
 OUT = ROOT / "docs" / "figures"
 OWNER_COLORS = {"A": "#4c72b0", "B": "#dd8452", "C": "#55a868", "D": "#c44e52", None: "#eeeeee"}
@@ -294,8 +303,10 @@ def prefix_cache():
 
 
 def paged_memory():
-    """Home page: the same three requests in contiguous slabs and in blocks."""
+    """Home page: the same three requests in the same 144 slots, in contiguous slabs and in blocks of 8."""
     requests = {"A": (14, 40), "B": (30, 40), "C": (7, 40)}  # tokens held, slab reserved (max_model_len)
+    num_blocks, block_size = 18, 8
+    slots = num_blocks * block_size
     fig, axes = plt.subplots(2, 1, figsize=(7.2, 3.0), gridspec_kw={"height_ratios": [1, 1.25]})
     ax = axes[0]
     x = 0
@@ -306,24 +317,25 @@ def paged_memory():
         ax.add_patch(Rectangle((x, 0), reserved, 1, facecolor="none", edgecolor="#333333"))
         ax.text(x + tokens / 2, 0.5, name, color="white", ha="center", va="center", fontsize=10)
         x += reserved
-    ax.add_patch(Rectangle((x, 0), 20, 1, facecolor=OWNER_COLORS[None], edgecolor="#333333"))
-    ax.text(x + 10, 0.5, "too small for\na 4th slab", ha="center", va="center", fontsize=8, color="#555555")
+    ax.add_patch(Rectangle((x, 0), slots - x, 1, facecolor=OWNER_COLORS[None], edgecolor="#333333"))
+    ax.text((x + slots) / 2, 0.5, f"{slots - x} free: too small\nfor a 4th slab", ha="center", va="center",
+            fontsize=8, color="#555555")
     held = sum(t for t, _ in requests.values())
-    ax.set_title(f"contiguous: one slab of max_model_len per request; {held} of {x} reserved slots hold "
-                 "K/V (pale: reserved, no K/V yet)", fontsize=9)
-    ax.set_xlim(0, x + 20)
+    ax.set_title(f"contiguous, {slots} slots: one slab per request; {held} of {x} reserved slots "
+                 "hold K/V (pale: reserved, no K/V yet)", fontsize=9)
+    ax.set_xlim(0, slots)
     ax.set_ylim(0, 1)
     ax.axis("off")
 
     ax = axes[1]
-    pool = BlockAllocator(16)
-    manager = BlockSpaceManager(pool, block_size=8)
+    pool = BlockAllocator(num_blocks)
+    manager = BlockSpaceManager(pool, block_size=block_size)
     for name, (tokens, _) in requests.items():  # interleaved arrivals: tables are scattered
-        manager.allocate(name, list(range(min(tokens, 8))))
+        manager.allocate(name, list(range(min(tokens, block_size))))
     for name, (tokens, _) in requests.items():
-        for _ in range(tokens - min(tokens, 8)):
+        for _ in range(tokens - min(tokens, block_size)):
             manager.append_slot(name)
-    held = {block: (name, min(8, requests[name][0] - index * 8))  # block: (owner, tokens in it)
+    held = {block: (name, min(block_size, requests[name][0] - index * block_size))  # block: (owner, tokens in it)
             for name in requests for index, block in enumerate(manager.get_block_table(name))}
     for block in range(pool.num_total_blocks):
         owner, filled = held.get(block, (None, 0))
@@ -335,9 +347,10 @@ def paged_memory():
                 color="white" if owner else "#777777")
     used = pool.num_total_blocks - pool.num_free_blocks
     tables = ", ".join(f"{n}: {list(manager.get_block_table(n))}" for n in requests)
-    ax.set_title(f"paged, blocks of 8: {used} blocks in use, {pool.num_free_blocks} free for more requests\n"
+    ax.set_title(f"paged, {pool.num_total_blocks} blocks of {block_size} = {pool.num_total_blocks * block_size} "
+                 f"slots: {used} blocks in use, {pool.num_free_blocks} free for more requests\n"
                  f"block tables  {tables}", fontsize=9)
-    ax.set_xlim(0, 16 * 8.5)
+    ax.set_xlim(0, num_blocks * 8.5)
     ax.set_ylim(0, 1)
     ax.axis("off")
     fig.tight_layout()
@@ -413,9 +426,51 @@ def speculative_step():
     _save(fig, "speculative_step.svg")
 
 
+DECODE_CONTEXT = 512  # tokens per request in stage 0's decode figure: about a ShareGPT request (161 + 338)
+
+
+def decode_throughput():
+    """Stage 0: OPT-13B's decode bound on an A100-40GB against the batch, and the batches its memory holds."""
+    bend = decode_bend(DECODE_CONTEXT)
+    curve = [decode_bound(b, DECODE_CONTEXT) for b in range(1, 2 * round(bend) + 1)]
+    ceiling = decode_bound(1, DECODE_CONTEXT, weight_bytes=0).tokens_per_s  # were the weights free to read
+    fits = {"contiguous, max": requests_that_fit(DECODE_CONTEXT, "max"),
+            "paged": requests_that_fit(DECODE_CONTEXT, "paged")}
+    fig, ax = plt.subplots(figsize=(7.2, 3.3), layout="constrained")
+    top = 1.12 * ceiling
+    ax.axvspan(fits["paged"] + 0.5, curve[-1].batch, color=OWNER_COLORS[None], zorder=0)
+    ax.text(0.72 * curve[-1].batch, 0.03 * top,
+            f"does not fit: {DECODE_CONTEXT}-token requests need more\nK/V than the {OPT_13B_KV_BUDGET // 2**30} GiB "
+            "left after the weights", ha="center", va="bottom", fontsize=9, color="#555555")
+    ax.plot([c.batch for c in curve], [c.tokens_per_s for c in curve], color=OWNER_COLORS["A"], lw=2,
+            label=f"batch ÷ step time; step = ({OPT_13B_WEIGHT_BYTES / 1e9:.0f} GB of weights + batch × K/V) "
+                  f"÷ {GPUS['A100-40GB'][0]:,} GB/s")
+    ax.axhline(ceiling, color="#333333", lw=0.8, ls="--")
+    ax.text(1, ceiling, f"ceiling {ceiling:,.0f} tokens/s: K/V alone", va="bottom", fontsize=9)
+    at_bend = decode_bound(round(bend), DECODE_CONTEXT)
+    ax.plot([at_bend.batch], [at_bend.tokens_per_s], "o", color="#333333", ms=5)
+    ax.annotate(f"bend at {bend:.0f}: K/V read = weights read\n{at_bend.tokens_per_s:,.0f} tokens/s",
+                (at_bend.batch, at_bend.tokens_per_s), xytext=(10, -6), textcoords="offset points", va="top",
+                fontsize=9)
+    for (name, batch), color in zip(fits.items(), (OWNER_COLORS["B"], OWNER_COLORS["C"]), strict=True):
+        point = decode_bound(batch, DECODE_CONTEXT)
+        ax.plot([batch, batch], [0, point.tokens_per_s], color=color, lw=1.2, ls=":")
+        ax.plot([batch], [point.tokens_per_s], "o", color=color, ms=7)
+        ax.annotate(f"{name}: {batch} requests\n{point.tokens_per_s:,.0f} tokens/s, {1e3 * point.step_s:.1f} ms a step",
+                    (batch, point.tokens_per_s), xytext=(9, -4), textcoords="offset points", va="top", fontsize=9,
+                    color=color)
+    ax.set_xlim(0, curve[-1].batch)
+    ax.set_ylim(0, top)
+    ax.set_xlabel(f"requests decoding together ({DECODE_CONTEXT} tokens of context each)", fontsize=10)
+    ax.set_ylabel("tokens/s, at most", fontsize=10)
+    ax.tick_params(labelsize=9.5)
+    ax.legend(loc="upper left", bbox_to_anchor=(0, 0.93), fontsize=9, frameon=False)
+    _save(fig, "decode_throughput.svg")
+
+
 def main():
-    for draw in (paged_memory, contiguous_waste, block_pool, block_table, copy_on_write, gather, split_kv,
-                 schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
+    for draw in (paged_memory, contiguous_waste, decode_throughput, block_pool, block_table, copy_on_write, gather,
+                 split_kv, schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
                  speculative_step):
         draw()
     print(f"wrote {len(list(OUT.glob('*.svg')))} figures to {OUT.relative_to(ROOT)}")

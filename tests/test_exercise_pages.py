@@ -4,11 +4,16 @@ A piece is a function or method that holds a solution region; the page must name
 qualified name in backticks (``ContiguousKVCache.allocate``, ``dense_attention``), so a page
 cannot silently miss a stub that the exercise tool writes, in any file of the stage; and the
 page, like the stage's page in each language, names every file of the stage.
+
+The exercises are written in English (``stageN.md``) and in Chinese (``stageN.zh.md``). The
+Chinese page is held to the same checks, and to the English page itself: the same test counts,
+the same test names, the same links and as many hints, so that the two cannot drift apart.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +23,11 @@ pytestmark = pytest.mark.tooling
 
 PAGES = REPO_DIR / "docs" / "exercises"
 STAGES = stage_files()  # stage -> its files, the main one first
+LANGUAGES = ("", ".zh")  # stage3.md, stage3.zh.md
+
+
+def page_of(name: str, language: str) -> Path:
+    return PAGES / f"{name}{language}.md"
 
 
 def stage_tests(stage: int) -> list[str]:
@@ -75,9 +85,10 @@ def test_solution_functions_are_found_by_qualified_name():
     ]
 
 
+@pytest.mark.parametrize("language", LANGUAGES)
 @pytest.mark.parametrize("stage", sorted(STAGES))
-def test_the_exercise_page_names_every_piece_its_tests_and_its_tutorial(stage):
-    page = PAGES / f"stage{stage}.md"
+def test_the_exercise_page_names_every_piece_its_tests_and_its_tutorial(stage, language):
+    page = page_of(f"stage{stage}", language)
     assert page.is_file(), f"no exercise page {page.relative_to(REPO_DIR)}"
     assert stage_tests(stage), f"stage {stage} has no tests/test_stage{stage}_*.py"
     found = problems(page.read_text(), stage)
@@ -113,19 +124,21 @@ def test_the_stage_page_names_every_file_of_its_stage_in_each_language(stage):
             assert f"[`minipaged/{path.name}`](../api.md#minipaged.{path.stem})" in header, (page.name, path.name)
 
 
-def test_the_exercises_index_links_every_stage_page():
-    index = (PAGES / "index.md").read_text()
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_the_exercises_index_links_every_stage_page(language):
+    index = page_of("index", language).read_text()
     for stage in STAGES:
         assert f"](stage{stage}.md)" in index, (
-            f"docs/exercises/index.md does not link stage{stage}.md"
+            f"docs/exercises/index{language}.md does not link stage{stage}.md"
         )
 
 
-def test_every_exercise_page_links_the_next():
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_every_exercise_page_links_the_next(language):
     for stage in STAGES:
-        page = (PAGES / f"stage{stage}.md").read_text()
+        page = page_of(f"stage{stage}", language).read_text()
         following = f"](stage{stage + 1}.md)" if stage + 1 in STAGES else "](index.md)"
-        assert following in page, f"docs/exercises/stage{stage}.md does not link {following[2:-1]}"
+        assert following in page, f"docs/exercises/stage{stage}{language}.md does not link {following[2:-1]}"
 
 
 def test_no_page_points_to_the_old_exercises_page():
@@ -154,11 +167,65 @@ def collected() -> dict[str, int]:
     return Counter(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line)
 
 
+# "`tests/test_stage5_x.py` (23 tests on a CPU, 9 more on a CUDA device)" in English,
+# "`tests/test_stage5_x.py`（CPU 上 23 个测试，CUDA 设备上另有 9 个）" in Chinese.
+COUNTS = {
+    "": re.compile(r"`(tests/test_stage\d+_\w+\.py)` \((\d+) tests(?: on a CPU, (\d+) more on a CUDA device)?\)"),
+    ".zh": re.compile(r"`(tests/test_stage\d+_\w+\.py)`（(?:CPU 上 )?(\d+) 个测试(?:，CUDA 设备上另有 (\d+) 个)?）"),
+}
+
+
+def counts(page: str, language: str) -> dict[str, tuple[int, int]]:
+    """Each test file the page counts: its tests on a CPU, and those that need a CUDA device."""
+    return {m.group(1): (int(m.group(2)), int(m.group(3) or 0)) for m in COUNTS[language].finditer(page)}
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
 @pytest.mark.parametrize("stage", sorted(STAGES))
-def test_the_exercise_page_counts_its_tests(stage, collected):
-    page = (PAGES / f"stage{stage}.md").read_text()
-    counted = re.search(r"`(tests/test_stage\d+_\w+\.py)` \((\d+) tests"
-                        r"(?: on a CPU, (\d+) more on a CUDA device)?\)", page)
-    assert counted, f"exercise {stage}'s page does not say how many tests it has"
-    path, cpu, gpu = counted.group(1), int(counted.group(2)), int(counted.group(3) or 0)
-    assert cpu + gpu == collected[path]
+def test_the_exercise_page_counts_its_tests(stage, language, collected):
+    counted = counts(page_of(f"stage{stage}", language).read_text(), language)
+    assert counted, f"exercise {stage}'s page{language} does not say how many tests it has"
+    for path, (cpu, gpu) in counted.items():
+        assert cpu + gpu == collected[path], (language, path)
+
+
+# What the two languages of a page must share: the names in backticks that are tests, the
+# links, the test counts and the hints.
+TEST_NAME = re.compile(r"`((?:test_|Test)\w+)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HINT = re.compile(r'^\s*\?\?\?\+? tip "', re.M)
+
+
+def drift(english: str, chinese: str) -> list[str]:
+    """How the Chinese version of an exercise page differs from the English one; empty when none."""
+    found = []
+    for what, pattern in (("test names", TEST_NAME), ("links", LINK)):
+        en, zh = set(pattern.findall(english)), set(pattern.findall(chinese))
+        if en != zh:
+            found.append(f"{what}: only in English {sorted(en - zh)}, only in Chinese {sorted(zh - en)}")
+    if counts(english, "") != counts(chinese, ".zh"):
+        found.append(f"test counts: {counts(english, '')} in English, {counts(chinese, '.zh')} in Chinese")
+    if len(HINT.findall(english)) != len(HINT.findall(chinese)):
+        found.append(f"hints: {len(HINT.findall(english))} in English, {len(HINT.findall(chinese))} in Chinese")
+    return found
+
+
+@pytest.mark.parametrize("name", ["index", *(f"stage{stage}" for stage in sorted(STAGES))])
+def test_the_chinese_exercise_page_says_what_the_english_one_says(name):
+    english, chinese = page_of(name, ""), page_of(name, ".zh")
+    assert chinese.is_file(), f"no Chinese exercise page {chinese.relative_to(REPO_DIR)}"
+    found = drift(english.read_text(), chinese.read_text())
+    assert not found, f"{chinese.relative_to(REPO_DIR)}: " + "; ".join(found)
+
+
+def test_a_chinese_page_that_drifts_is_caught():
+    english, chinese = page_of("stage5", "").read_text(), page_of("stage5", ".zh").read_text()
+    assert drift(english, chinese) == []
+    recounted = re.sub(r"CPU 上 (\d+) 个测试", lambda m: f"CPU 上 {int(m.group(1)) + 1} 个测试", chinese)
+    assert [problem.split(":")[0] for problem in drift(english, recounted)] == ["test counts"]
+    renamed = chinese.replace("`test_prefill_kernel_equals_the_reference`", "`test_prefill_kernel`")
+    assert [problem.split(":")[0] for problem in drift(english, renamed)] == ["test names"]
+    unlinked = chinese.replace("](stage6.md)", "](stage6.html)")
+    assert [problem.split(":")[0] for problem in drift(english, unlinked)] == ["links"]
+    hintless = chinese.replace('??? tip "', '??? note "', 1)
+    assert [problem.split(":")[0] for problem in drift(english, hintless)] == ["hints"]

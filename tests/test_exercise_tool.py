@@ -25,12 +25,9 @@ from minipaged.learn.exercise import (
     REPO_DIR,
     WORKSPACE_MARK,
     SolutionMarkerError,
-    StageResult,
     edited_stage,
     files_to_write,
-    format_grades,
     make_workspace,
-    run_tests,
     solution_regions,
     stage_files,
     stub_source,
@@ -38,6 +35,7 @@ from minipaged.learn.exercise import (
     workspace_changes,
     workspace_notebook,
 )
+from minipaged.learn.grade import StageResult, format_grades, run_tests
 
 pytestmark = pytest.mark.tooling
 
@@ -360,8 +358,6 @@ def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
 
 
 def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_cause():
-    from minipaged.learn.exercise import StageResult, format_grades
-
     rows = [StageResult(1, 5, 2, 0, ["tests/test_stage1_x.py::a", "tests/test_stage1_x.py::b"]),
             StageResult(2, 9, 0, 0), StageResult(3, 1, 4, 0, ["tests/test_stage3_x.py::c"])]
     text = format_grades(rows, edited=3)

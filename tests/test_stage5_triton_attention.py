@@ -59,6 +59,30 @@ def test_prefill_kernel_equals_the_reference(heads, kv_heads, head_dim, block_si
     torch.testing.assert_close(out, expected, **tolerances.paged_attention(args))
 
 
+def _padded_with_nan(t, width=128):
+    """The same values, in rows of ``width`` whose memory past ``head_dim`` holds NaN."""
+    wide = torch.full((*t.shape[:-1], width), float("nan"), dtype=t.dtype)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 112])
+def test_kernels_read_no_element_past_head_dim(head_dim):
+    """A head_dim that is not a power of two is padded to D_PAD inside the kernels, and the
+    memory past head_dim is not the head's: NaN there must not reach the output (every load
+    of a row is masked by ``offs_d < HEAD_DIM``)."""
+    heads, kv_heads, block_size = 4, 2, 4
+    for query_lens in (None, [6, 3]):
+        args, _ = make_paged_inputs(heads, kv_heads, head_dim, block_size, [6, 9], query_lens, seed=head_dim)
+        query, key_cache, value_cache = (_padded_with_nan(t) for t in args[:3])
+        assert key_cache.stride(2) == 128 and torch.isnan(key_cache.as_strided((1,), (1,), head_dim)).all()
+        expected = paged_attention_ref(*args[:5], query_start_loc=args[5])
+        for version in ("v1", "v2") if query_lens is None else ("v2",):
+            out = paged_attention_triton(query, key_cache, value_cache, *args[3:5], query_start_loc=args[5],
+                                         version=version)
+            torch.testing.assert_close(out, expected, **tolerances.paged_attention(args))
+
+
 def test_same_checks_as_the_reference_and_a_known_version():
     args, _ = make_paged_inputs(4, 2, 64, 16, [20, 35])
     torch.testing.assert_close(paged_attention_triton(*args[:5], version="v1"), paged_attention_ref(*args[:5]),

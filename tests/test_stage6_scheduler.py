@@ -472,3 +472,27 @@ def test_rule_admission_schedules_and_spends_only_the_tokens_not_in_the_cache():
     out = scheduler.schedule()
     assert dict(out.scheduled) == {a: 8, b: 4}
     assert a.num_computed_tokens == b.num_computed_tokens == 4
+
+
+def test_rule_an_empty_batch_keeps_no_watermark():
+    scheduler, _ = make(10, "swap", num_cpu_blocks=10, max_model_len=40, watermark=0.2)  # a watermark of 2
+    big = add(scheduler, [1] * 36, 4)  # 9 blocks of 10: 9 + 2 > 10, but nothing runs to free any
+    assert scheduler.schedule().scheduled == [(big, 36)]
+    scheduler.finish(big)
+    group = swapped_alone(scheduler, [2] * 32, width=1)  # 8 blocks + 1 to grow: 9 + 2 > 10
+    assert scheduler.schedule().scheduled_groups == [group]  # swapped in alone, with no watermark
+
+
+def test_rule_a_recomputed_sequence_counts_its_generated_tokens_against_the_budget():
+    scheduler, _ = make(64, max_model_len=16, max_num_batched_tokens=16)
+    a, b, v = admitted_then_decoding(scheduler, [1, 1, 12])
+    for _ in range(2):
+        for seq, _ in scheduler.schedule().scheduled:
+            seq.append_token(1)
+    assert (len(v.prompt_token_ids), len(v)) == (12, 15)
+    preempt(scheduler, group_of(scheduler, v))  # recompute: 15 tokens to prefill again
+    out = scheduler.schedule()  # 2 decodes leave 14 tokens of the budget: 12 would fit, 15 do not
+    assert out.scheduled == [(a, 1), (b, 1)] and v.status is SequenceStatus.WAITING
+    scheduler.finish(a)
+    scheduler.finish(b)
+    assert scheduler.schedule().scheduled == [(v, 15)]

@@ -363,3 +363,68 @@ def test_a_final_only_request_has_one_output_when_it_finishes_and_generate_asks_
                                                                  use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="final_only")
+
+
+class CacheSnapshot:
+    """A stand-in model: no K/V of its own, it only returns a hidden row per token."""
+
+    def __call__(self, ids, positions, cache, meta):
+        return torch.zeros(len(ids), 1)
+
+
+def kv_of(mark, n):
+    k = torch.tensor([mark * 100.0 + p for p in range(n)], dtype=torch.float64).view(n, 1, 1)
+    return k, -k
+
+
+@pytest.mark.parametrize("moved", ["swap-in", "swap-out"])
+def test_block_moves_run_before_the_copy_on_write_copies(moved):
+    """A copy's source may be a block swapped in in this step; its destination may be a block a
+    swap-out in this step has just freed. Swap-outs and swap-ins first, the copies after them."""
+    from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
+    from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
+    from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+    from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
+    from minipaged.stage7_model_runner import ModelRunner
+
+    manager = SwapBlockSpaceManager(RefCountedBlockAllocator(6), 4, RefCountedBlockAllocator(8))
+    scheduler = Scheduler(manager, preemption_mode="swap", max_model_len=20)
+    cache = SwapPagedKVCache(1, 6, 4, 1, 1, dtype=torch.float64, num_cpu_blocks=8)
+    runner = ModelRunner(CacheSnapshot(), cache, manager, backend=None)
+    runner.compute_logits = lambda out, hidden, rows: hidden[rows]
+    x = Sequence([1] * 6)  # 2 blocks; forked below, its last block shared by its two sequences
+    group = SequenceGroup("x", [x], 2, 2)
+    scheduler.add(group)
+    y = Sequence([2] * 16)  # 4 full blocks: with x's, the whole cache
+    if moved == "swap-out":
+        scheduler.add(SequenceGroup("y", [y], 1))
+    prefill = scheduler.schedule()
+    assert [s for s, _ in prefill.scheduled] == ([x] if moved == "swap-in" else [x, y])
+    for seq, n in prefill.scheduled:
+        cache.write(0, manager.slot_mapping([seq.seq_id], [n]), *kv_of(seq.prompt_token_ids[0], n))
+        seq.append_token(3)
+    child = Sequence(list(x.prompt_token_ids), list(x.output_token_ids), status=SequenceStatus.RUNNING,
+                     num_computed_tokens=x.num_computed_tokens)
+    manager.fork(x.seq_id, child.seq_id)
+    group.seqs.append(child)
+    if moved == "swap-in":  # x's group goes out and comes back; its GPU blocks are reused meanwhile
+        gone = SchedulerOutput()
+        scheduler._preempt(group, gone)
+        cache.swap_out(gone.blocks_to_swap_out)
+        cache.key_cache[0].fill_(float("nan"))
+        cache.value_cache[0].fill_(float("nan"))
+    out = scheduler.schedule()  # x's first sequence copies its shared last block before it grows
+    assert len(out.blocks_to_copy) == 1
+    if moved == "swap-in":
+        assert out.blocks_to_swap_in and out.blocks_to_copy[0][0] in dict(out.blocks_to_swap_in).values()
+    else:  # x needs a block for the copy: y, the newest, is swapped out, and x copies into a block of y's
+        assert [g.seqs for g in out.preempted] == [[y]]
+        assert out.blocks_to_copy[0][1] in dict(out.blocks_to_swap_out)
+    runner.execute(out)
+    for seq in (x, child):
+        k, v = cache.gather(0, manager.get_block_table(seq.seq_id), 6)
+        torch.testing.assert_close((k, v), kv_of(1, 6), rtol=0, atol=0)
+    if moved == "swap-out":
+        ids = manager.swapped_tables[y.seq_id].block_ids
+        k = cache.cpu_key_cache[0][ids].flatten(0, 1)[:16]
+        torch.testing.assert_close(k, kv_of(2, 16)[0], rtol=0, atol=0)

@@ -179,3 +179,51 @@ def test_samples_fork_once_and_keep_their_own_log_probabilities():
         assert len(c.logprobs) == len(c.token_ids)
         assert all(token in step for token, step in zip(c.token_ids, c.logprobs, strict=True))
     assert len({id(c.logprobs) for c in out.outputs}) == 3
+
+
+E, A, B, C, D, F, G, H, K = 9, 10, 11, 12, 13, 14, 15, 16, 17  # E ends a beam
+TREE = {  # generated tokens -> the probabilities of some next tokens; the rest spread evenly
+    (): {A: 0.5, E: 0.3, B: 0.15},
+    (A,): {C: 0.6, E: 0.3, D: 0.05},
+    (B,): {F: 0.2},
+    (A, C): {E: 0.5, G: 0.15},
+    (B, F): {H: 0.9},
+    (A, C, G): {E: 0.9},
+    (B, F, H): {K: 0.3, E: 0.1},
+}
+
+
+def tree_logits(out, vocab):
+    """The next-token log-probabilities of ``TREE`` for each scheduled sequence, as a runner returns them."""
+    rows = []
+    for seq, _ in out.scheduled:
+        probs = TREE.get(tuple(seq.output_token_ids), {})
+        row = torch.full((vocab,), (1 - sum(probs.values())) / (vocab - len(probs)), dtype=torch.float64)
+        for token, p in probs.items():
+            row[token] = p
+        rows.append(row.log().float())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("early,expected,steps", [
+    (True, [[A, E], [E]], 2),  # stops at the step that fills the two hypotheses
+    (False, [[A, C, E], [A, E]], 3),  # step 3: the best beam, -3.10 / 3, cannot beat -0.95 at this length
+    ("never", [[A, C, E], [A, C, G, E]], 4),  # step 3: -3.10 / 5 could: one step more finds A C G E
+])
+def test_early_stopping_decides_when_the_search_ends(early, expected, steps):
+    """``True`` ends the search as soon as ``beam_width`` hypotheses are finished; ``False`` once the
+    best running beam's log-probability, divided by the current length ** length_penalty, cannot beat
+    the worst of them; ``"never"`` divides by ``max_tokens ** length_penalty`` instead."""
+    llm = LLM("tiny")
+    vocab = llm.model_config.vocab_size
+    llm.engine.eos_token_ids = {E}
+    forwards = []
+    llm.engine.runner.execute = lambda out: forwards.append(out) or tree_logits(out, vocab)
+    params = BeamSearchParams(beam_width=2, max_tokens=5, length_penalty=1.0, early_stopping=early)
+    out = llm.beam_search([{"prompt_token_ids": [1, 2, 3]}], params)[0]
+    assert [s.token_ids for s in out.sequences] == expected
+    assert len(forwards) == steps  # no step runs once the search has ended
+    for s in out.sequences:
+        logprob = sum(torch.tensor(TREE[tuple(s.token_ids[:i])][t]).log().item() for i, t in enumerate(s.token_ids))
+        assert s.score == pytest.approx(logprob / len(s.token_ids), rel=1e-5)
+    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks

@@ -11,8 +11,7 @@ A learner's part of a stage sits between two marker comments::
 ``make_workspace(stage, out)`` copies the package and the stage tests into ``out`` and
 replaces every solution of that stage, in each of its files, by ``raise
 NotImplementedError("stage N: <hint> — see tutorials/NN_<topic>.ipynb")``; signatures and
-docstrings stay. ``grade(dir)`` runs the tests of ``dir`` and counts, per stage, the tests
-that pass.
+docstrings stay. Grading a workspace is ``minipaged.learn.grade``'s.
 
 A stage owns one file, ``stageN_<topic>.py``, or two where it holds two ideas (stage 6's
 scheduler and its swapping); ``stage_files`` lists them, the stage's main file first.
@@ -23,13 +22,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
@@ -228,14 +223,21 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def workspace_manifest(out: Path) -> dict[str, str]:
+    """The files ``exercise`` wrote into a workspace, by relative path, with their SHA-256
+    (empty for a folder that is no workspace, or one written before the list existed)."""
+    mark = Path(out) / WORKSPACE_MARK
+    lines = mark.read_text().splitlines()[1:] if mark.is_file() else []
+    return {name: digest for digest, name in (line.split("  ", 1) for line in lines if "  " in line)}
+
+
 def workspace_changes(out: Path) -> list[str]:
     """What the learner changed in a workspace: files edited or added since ``exercise`` wrote it.
 
     The mark file lists every file it wrote with its SHA-256; a workspace written before the
     list existed counts as changed (nothing proves otherwise).
     """
-    lines = (Path(out) / WORKSPACE_MARK).read_text().splitlines()[1:]
-    written = {name: digest for digest, name in (line.split("  ", 1) for line in lines if "  " in line)}
+    written = workspace_manifest(out)
     if not written:
         return ["(no list of the files it wrote)"]
     changes = []
@@ -368,80 +370,3 @@ def edited_stage(directory: Path) -> int | None:
 
 def _python() -> str:
     return sys.executable
-
-
-@dataclass
-class StageResult:
-    stage: int
-    passed: int
-    failed: int
-    skipped: int
-    failures: list[str] = field(default_factory=list)  # the failing tests, by node id
-    reasons: dict[str, list[str]] = field(default_factory=dict)  # node id -> where and why it failed
-
-    @property
-    def total(self) -> int:
-        return self.passed + self.failed
-
-    @property
-    def status(self) -> str:
-        if self.total == 0:
-            return "no tests"
-        if self.failed == 0:
-            return "complete"
-        return "not started" if self.passed == 0 else "in progress"
-
-
-def run_tests(directory: Path, *pytest_args: str) -> dict[str, dict]:
-    """Run pytest in ``directory``; return ``{nodeid: {"outcome", "stages"}}``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        env = {**os.environ, "MINIPAGED_REPORT": str(report)}
-        env.pop("PYTEST_ADDOPTS", None)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
-                   "-p", "minipaged.learn.pytest_report", *pytest_args]  # no stage test runs a notebook
-        subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
-        if not report.exists():
-            raise RuntimeError(f"pytest wrote no report in {directory}: is it a workspace?")
-        return json.loads(report.read_text())
-
-
-def grade(directory: Path, stages: list[int] | None = None) -> list[StageResult]:
-    """Run the stage tests in ``directory`` (every stage, or ``stages``); count passes per stage."""
-    selected = (sorted(stage_files(Path(directory) / "minipaged")) or range(10)) if not stages else stages
-    results = run_tests(directory, "-m", " or ".join(f"stage{n}" for n in selected))
-    by_stage: dict[int, StageResult] = {}
-    for nodeid, record in results.items():
-        for stage in record["stages"]:
-            row = by_stage.setdefault(stage, StageResult(stage, 0, 0, 0))
-            setattr(row, record["outcome"], getattr(row, record["outcome"]) + 1)
-            if record["outcome"] == "failed":
-                row.failures.append(nodeid)
-                row.reasons[nodeid] = record.get("reason", [])
-    return [by_stage[s] for s in sorted(by_stage)]
-
-
-def format_grades(rows: list[StageResult], edited: int | None = None, show: int = 5) -> str:
-    """The grade table, one row per stage, and the likely cause.
-
-    Under each stage, its first ``show`` failing tests, each with the line of the test where
-    it failed and the first line of the error.
-
-    ``edited``: the stage the learner works on. When another stage fails too, the lowest
-    failing stage is named as the likely cause: every stage builds on the ones below it.
-    """
-    lines = [f"{'stage':<6} {'passed':>10}  status", "-" * 32]
-    for row in rows:
-        lines.append(f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}  {row.status}")
-        for nodeid in row.failures[:show]:
-            lines.append(f"{'':<8}failed: {nodeid}")
-            lines.extend(f"{'':<10}{reason}" for reason in row.reasons.get(nodeid, []))
-        if len(row.failures) > show:
-            lines.append(f"{'':<8}... and {len(row.failures) - show} more")
-    failing = [row.stage for row in rows if row.failures]
-    if failing and edited is not None and any(stage != edited for stage in failing):
-        lowest = min(failing)
-        cause = "your stage" if lowest == edited else "a stage below yours, which you did not edit"
-        lines.append(f"likely cause: stage {lowest} ({cause}); every stage builds on the ones below it, "
-                     f"so fix the lowest failing stage first")
-    return "\n".join(lines)

@@ -52,6 +52,11 @@ _TOP_P = """    if params.top_p < 1.0:
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 """
 
+# stage 7's block moves, whole, so that a mutant can put them in another order
+_SWAP_OUT = "        self.cache.swap_out(out.blocks_to_swap_out)\n"
+_SWAP_IN = "        self.cache.swap_in(out.blocks_to_swap_in)\n"
+_COPY = "        self.cache.copy_blocks(out.blocks_to_copy)\n"
+
 _RECORD = ("            for i, r in alive:\n                self.record_token(r, r.seqs[0], sampled.token_ids[i], "
            "sampled.logprobs[i], sampled.top_logprobs[i])\n")
 _LAUNCH = "            if next_out.total_num_scheduled_tokens:\n                self.launch(next_out)\n"
@@ -202,6 +207,11 @@ CATALOGUE: list[Mutant] = [
         "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)",
         "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(l, 0)")),
     m(5, "prefill reads the wrong KV head", ("    kv_head = head // GROUP\n", "    kv_head = head % GROUP\n")),
+    m(5, "a tile is loaded past head_dim", ("    mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]\n",
+                                           "    mask = valid[:, None] & (offs_d >= 0)[None, :]\n")),
+    m(5, "prefill loads the queries past head_dim", (
+        "head * s_qh + offs_d[None, :], mask=q_mask, other=0.0)",
+        "head * s_qh + offs_d[None, :], mask=(offs_m < q_len)[:, None], other=0.0)")),
     # stage 6: the scheduler, a mutant per rule
     m(6, "admission is not first come first served",
       ("            group = self.waiting[0]\n", "            group = self.waiting[-1]\n"),
@@ -275,6 +285,11 @@ CATALOGUE: list[Mutant] = [
                                                             "budget -= sum(len(s) for s in seqs)")),
     m(6, "swapped-out blocks are not counted", ("            self._stats.num_swapped_out_blocks += len(pairs)\n", "")),
     m(6, "swapped-in blocks are not counted", ("            self._stats.num_swapped_in_blocks += len(pairs)\n", "")),
+    m(6, "the watermark applies when nothing runs", ("watermark = self.watermark_blocks if self.running else 0",
+                                                     "watermark = self.watermark_blocks")),
+    m(6, "admission counts a recomputed sequence's prompt only", (
+        "too_many_tokens = sum(len(s) for s in seqs) > budget",
+        "too_many_tokens = sum(len(s.prompt_token_ids) for s in seqs) > budget")),
     # stage 7: the engine
     m(7, "temperature multiplies", ("logits = logits / params.temperature", "logits = logits * params.temperature")),
     m(7, "top-k keeps one too many", (
@@ -291,6 +306,8 @@ CATALOGUE: list[Mutant] = [
         "return self.compute_logits(out, hidden, ends - 1)",
         "return self.compute_logits(out, hidden, ends - torch.tensor(counts))")),
     m(7, "swap-ins are not applied", ("        self.cache.swap_in(out.blocks_to_swap_in)\n", "")),
+    m(7, "copy-on-write copies before the swap-ins", (_SWAP_OUT + _SWAP_IN + _COPY, _SWAP_OUT + _COPY + _SWAP_IN)),
+    m(7, "copy-on-write copies before the swaps", (_SWAP_OUT + _SWAP_IN + _COPY, _COPY + _SWAP_OUT + _SWAP_IN)),
     m(7, "sampling ignores the sequence's generator", (
         "return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
         "return int(torch.multinomial(probs.cpu(), 1))")),
@@ -317,6 +334,15 @@ CATALOGUE: list[Mutant] = [
         "        child.output_token_ids = list(parent.output_token_ids)\n",
         "")),
     m(8, "beam candidates: only width of them", ("min(2 * width, rows.numel())", "min(width, rows.numel())")),
+    m(8, "early_stopping True waits until no beam can improve", (
+        "done = not request.improvable or (len(request.hypotheses) == width and p.early_stopping is True)",
+        "done = not request.improvable")),
+    m(8, "early_stopping 'never' divides by the current length", (
+        'p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0',
+        'generated if p.early_stopping == "never"')),
+    m(8, "early_stopping False divides by max_tokens", (
+        'p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0',
+        'p.max_tokens if p.early_stopping in (False, "never") and p.length_penalty > 0')),
     m(8, "length penalty on the length before the token", (
         "request.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
         "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),

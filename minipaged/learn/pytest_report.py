@@ -3,14 +3,24 @@
 Loaded by the exercise tool with ``-p minipaged.learn.pytest_report``; writes to the file
 named by the ``MINIPAGED_REPORT`` environment variable. A failing test's ``reason`` is the
 line of the test where it failed (``path:line: source``, often the ``assert``) and the
-first line of the error (``assert 2 == 3``, ``NotImplementedError: stage 1: ...``).
+first line of the error (``assert 2 == 3``, ``NotImplementedError: stage 1: ...``); a skipped
+test's is the reason it was skipped (``Skipped: needs a CUDA device``).
+
+With ``MINIPAGED_GUARD`` (a JSON object: ``package``, ``tests``, ``reference``, ``out``), it also
+watches the run for shortcuts: a file under the tests or under the reference package (the
+installed minipaged) opened by the learner's package, and modules loaded from the reference
+package; it writes what it saw, and the machine the tests ran on, to ``out``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import json
 import os
+import platform
 import re
+import sys
 
 _STAGE = re.compile(r"stage(\d+)$")
 _records: dict[str, dict] = {}
@@ -55,6 +65,8 @@ def pytest_runtest_logreport(report):
     record = _records.get(report.nodeid)
     if record is None:
         return
+    if report.skipped and isinstance(report.longrepr, tuple) and record["outcome"] == "skipped":
+        record["reason"] = [_cut(str(report.longrepr[-1]))]
     if report.failed:
         if record["outcome"] != "failed":  # the first phase that failed says why
             record["reason"] = _reason(report)
@@ -69,3 +81,101 @@ def pytest_sessionfinish(session):
         selected = {item.nodeid for item in session.items}
         with open(path, "w") as f:
             json.dump({k: v for k, v in _records.items() if k in selected}, f)
+    if _guard:
+        _guard["findings"].extend(_foreign_modules(_guard["reference"], _guard["package"]))
+        with open(_guard["out"], "w") as f:
+            json.dump({"findings": _guard["findings"], "environment": environment()}, f)
+
+
+def _folder(path: str | None) -> str | None:
+    return os.path.join(os.path.realpath(path), "") if path else None
+
+
+def _load_guard() -> dict:
+    spec = json.loads(os.environ.get("MINIPAGED_GUARD") or "{}")
+    if not spec:
+        return {}
+    package, tests = os.path.join(os.path.realpath(spec["package"]), ""), _folder(spec["tests"])
+    reference = _folder(spec.get("reference"))
+    return {"package": package, "tests": tests, "learn": os.path.join(package, "learn", ""),
+            "reference": None if reference == package else reference,
+            "root": os.path.dirname(package.rstrip(os.sep)) + os.sep, "out": spec["out"], "findings": []}
+
+
+def _learners_frame(guard: dict) -> str | None:
+    """``file:line`` of the innermost frame of the workspace's own files (its tools in ``learn/``,
+    this plugin among them, left out), if it is the learner's package; ``None`` when it is a test
+    or a conftest (a test may read its own files), or when no frame of the workspace is on the stack."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = os.path.realpath(frame.f_code.co_filename)
+        if name.startswith(guard["root"]) and not name.startswith(guard["learn"]):
+            if name.startswith(guard["package"]):
+                return f"{os.path.relpath(name, guard['root'])}:{frame.f_lineno}"
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _audit(event: str, args: tuple) -> None:
+    """An audit hook: the learner's package opening a test's file or the reference package's."""
+    if event != "open" or _busy or not args or not isinstance(args[0], str | bytes | os.PathLike):
+        return
+    _busy.append(True)
+    try:
+        path = os.path.realpath(os.fsdecode(args[0]))
+        watched = [(_guard["tests"], "reads-tests"), (_guard["reference"], "reference")]
+        rule = next((rule for folder, rule in watched if folder and path.startswith(folder)), None)
+        where = _learners_frame(_guard) if rule else None
+        shown = os.path.relpath(path, _guard["root"]) if rule == "reads-tests" else path
+        finding = {"rule": rule, "where": where, "reason": f"opens {shown} while the tests run"}
+        if rule and where and finding not in _guard["findings"]:
+            _guard["findings"].append(finding)
+    finally:
+        _busy.clear()
+
+
+def _foreign_modules(reference: str | None, package: str) -> list[dict]:
+    """Modules the run loaded from the reference package instead of the workspace's."""
+    if not reference:
+        return []
+    found = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file).startswith(reference):
+            found.append({"rule": "reference", "where": name,
+                          "reason": f"module {name} was loaded from {file}, not from {package}"})
+    return found
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    """The machine and the versions the tests ran with."""
+    found: dict = {"python": platform.python_version(), "implementation": platform.python_implementation(),
+                   "platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
+                   "cpu_count": os.cpu_count()}
+    for package in ("torch", "triton", "pytest", "hypothesis"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    torch = sys.modules.get("torch")
+    cuda = bool(torch is not None and torch.cuda.is_available())
+    found["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
+    found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if cuda and torch is not None else []
+    return found
+
+
+_guard = _load_guard()
+_busy: list[bool] = []  # set while the hook runs: what it calls opens nothing watched, but never recurse
+if _guard:
+    sys.addaudithook(_audit)

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from minipaged.common.sequence import SequenceStatus
+from minipaged.perf.kernel_report import GPUS
 from minipaged.stage0_contiguous import ContiguousKVCache
+from minipaged.stage1_block_allocator import BlockAllocator
+from minipaged.stage2_block_table import BlockSpaceManager
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager
@@ -25,6 +28,12 @@ from minipaged.stage7_engine import LLMEngine, SamplingParams
 from minipaged.stage7_model_runner import Sampler
 
 KINDS = ("token", "reserved", "internal", "external", "free")
+
+# The vLLM paper's setting for its Figures 2 and 13 (its Table 1): OPT-13B in float16 on one A100-40GB.
+OPT_13B_KV_BYTES_PER_TOKEN = 2 * 40 * 40 * 128 * 2  # K and V, 40 layers, 40 heads of 128, 2 bytes: 800 KiB
+OPT_13B_WEIGHT_BYTES = 26 * 10**9  # 26 GB of parameters, read once by every forward pass
+OPT_13B_KV_BUDGET = 12 * 2**30  # the 12 GB left to the KV cache
+OPT_13B_SLOTS = OPT_13B_KV_BUDGET // OPT_13B_KV_BYTES_PER_TOKEN  # 15,728 token slots
 
 
 @dataclass(frozen=True)
@@ -206,3 +215,65 @@ def format_usage_table(results: list[SimulationResult]) -> str:
         cells = "".join(f"{100 * r.fractions[k]:>9.1f}%" for k in KINDS)
         lines.append(f"{r.policy:<10}{cells}{r.mean_running:>10.2f}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    """The fastest a decode step could run: its bytes read once, at the GPU's peak bandwidth."""
+
+    batch: int  # requests decoding together, one token each
+    context: int  # tokens of K/V each request holds
+    weight_bytes: int  # read once per step, whatever the batch
+    kv_bytes: int  # every request's K/V, read once per step
+    step_s: float  # (weight_bytes + kv_bytes) / bandwidth
+    tokens_per_s: float  # batch / step_s
+
+
+def decode_bound(batch: int, context: int, *, gpu: str = "A100-40GB", weight_bytes: int = OPT_13B_WEIGHT_BYTES,
+                 kv_bytes_per_token: int = OPT_13B_KV_BYTES_PER_TOKEN) -> DecodeBound:
+    """The decode step of ``batch`` requests of ``context`` tokens each, if it only moved its bytes.
+
+    Each step reads all the weights once, whatever the batch, and the K/V of every running
+    request; it does a few floating-point operations per byte, so reading is what takes the
+    time. The step lasts at least ``(weights + batch × context × KV per token) / bandwidth``
+    and produces ``batch`` tokens. The defaults are OPT-13B in float16; ``gpu`` names a peak
+    bandwidth of ``minipaged.perf.kernel_report.GPUS``. A bound, not a measurement.
+    """
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch and context must be at least 1, got {batch} and {context}")
+    kv_bytes = batch * context * kv_bytes_per_token
+    step_s = (weight_bytes + kv_bytes) / (GPUS[gpu][0] * 1e9)
+    return DecodeBound(batch, context, weight_bytes, kv_bytes, step_s, batch / step_s)
+
+
+def decode_bend(context: int, *, weight_bytes: int = OPT_13B_WEIGHT_BYTES,
+                kv_bytes_per_token: int = OPT_13B_KV_BYTES_PER_TOKEN) -> float:
+    """The batch at which a step reads as many bytes of K/V as of weights: where the bound bends.
+
+    Below it, the weights' read dominates and is shared by the batch, so throughput grows
+    almost as fast as the batch; above it, the K/V read dominates and throughput levels off
+    toward ``bandwidth / (context × KV per token)``. At the bend it is half that ceiling.
+    """
+    return weight_bytes / (context * kv_bytes_per_token)
+
+
+def requests_that_fit(context: int, layout: str, *, num_slots: int = OPT_13B_SLOTS, max_model_len: int = 2048,
+                      block_size: int = 16) -> int:
+    """How many requests of ``context`` tokens each one KV budget holds at once, counted by the real caches.
+
+    ``layout`` is a policy of stage 0's contiguous cache (``max``, ``pow2``, ``oracle``: one slab
+    per request, reserved at admission) or ``paged`` (stage 2's block manager, blocks of
+    ``block_size``). The defaults are the vLLM paper's OPT-13B budget on an A100-40GB.
+    """
+    admitted = 0
+    if layout == "paged":
+        manager = BlockSpaceManager(BlockAllocator(num_slots // block_size), block_size)
+        while manager.can_allocate(context):
+            manager.allocate(admitted, [0] * context)
+            admitted += 1
+        return admitted
+    cache = ContiguousKVCache(num_slots, max_model_len, layout, num_layers=0)
+    while cache.can_allocate(context, 0):
+        cache.allocate(admitted, context, 0)
+        admitted += 1
+    return admitted

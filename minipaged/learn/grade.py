@@ -1,0 +1,464 @@
+"""Grading a workspace: points per test and per stage, what was graded, where, and shortcuts refused.
+
+``grade_report(dir)`` copies what the tests need out of ``dir`` (the package, the tests, a
+teacher's extra tests beside them) into a scratch folder, runs the stage tests there and
+returns one JSON-ready dict: per stage, per test, its points and outcome; the SHA-256 of the
+files the learner edits; the machine and the versions; and the shortcuts that were refused.
+The learner's folder is only read.
+
+The rubric, ``RUBRIC``, is the one place that gives points: each stage's, shared among its
+tests by weight. A test skipped because the machine has no GPU is *blocked*: its points are
+neither earned nor lost, and the stage is graded on what this machine can run.
+
+A submission is *refused*, with a reason and no points, when a file the learner edits loads
+code by hand or reads the installed minipaged (it must be the learner's own), when it reads
+the tests, or when the tests themselves (or the grader) were edited: the workspace's mark
+lists every file ``exercise`` wrote with its SHA-256.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minipaged.learn.exercise import (
+    CACHES,
+    PACKAGE_DIR,
+    WORKSPACE_MARK,
+    _digest,
+    _workspace_files,
+    edited_stage,
+    files_to_write,
+    stage_files,
+    workspace_manifest,
+)
+
+SCHEMA = "minipaged-grade/1"  # in every report and results.json it writes: a previous one may be replaced
+
+
+@dataclass(frozen=True)
+class Rubric:
+    """How many points each stage is worth, and how its tests share them.
+
+    A stage's points are shared by its tests in proportion to their weights; a test's weight is
+    that of the first pattern (``fnmatch``, on the test's node id) it matches, else 1. A skipped
+    test whose reason matches ``blocked`` needs hardware this machine lacks (a GPU): blocked.
+    """
+
+    points: dict[int, float]
+    weights: tuple[tuple[str, float], ...] = ()
+    blocked: str = r"\b(CUDA|GPU)\b"
+
+    def weight(self, nodeid: str) -> float:
+        return next((w for pattern, w in self.weights if fnmatch.fnmatchcase(nodeid, pattern)), 1.0)
+
+    def test_points(self, stage: int, nodeids: list[str]) -> dict[str, float]:
+        """Each test's share of the stage's points."""
+        total = sum(self.weight(n) for n in nodeids)
+        worth = self.points.get(stage, 0.0)
+        return {n: round(worth * self.weight(n) / total, 4) if total else 0.0 for n in nodeids}
+
+    def as_dict(self) -> dict:
+        return {"points": {str(s): p for s, p in sorted(self.points.items())},
+                "weights": [{"match": pattern, "weight": w} for pattern, w in self.weights],
+                "blocked": self.blocked, "total": sum(self.points.values())}
+
+
+# Five points per star of the exercise's difficulty (docs/exercises/index.md): the one place
+# that gives points. Every test of a stage is worth the same share of it.
+RUBRIC = Rubric(points={0: 10, 1: 5, 2: 10, 3: 10, 4: 15, 5: 20, 6: 20, 7: 15, 8: 20, 9: 15, 10: 20,
+                        11: 15, 12: 15})
+
+
+@dataclass
+class StageResult:
+    stage: int
+    passed: int
+    failed: int
+    skipped: int
+    failures: list[str] = field(default_factory=list)  # the failing tests, by node id
+    reasons: dict[str, list[str]] = field(default_factory=dict)  # node id -> where and why it failed
+
+    @property
+    def total(self) -> int:
+        return self.passed + self.failed
+
+    @property
+    def status(self) -> str:
+        if self.total == 0:
+            return "no tests"
+        if self.failed == 0:
+            return "complete"
+        return "not started" if self.passed == 0 else "in progress"
+
+
+def run_tests(directory: Path, *pytest_args: str, env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Run pytest in ``directory``; return ``{nodeid: {"outcome", "stages", "reason"?}}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        env = {**os.environ, **(env or {}), "MINIPAGED_REPORT": str(report)}
+        env.pop("PYTEST_ADDOPTS", None)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
+                   "-p", "minipaged.learn.pytest_report", *pytest_args]  # no stage test runs a notebook
+        subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
+        if not report.exists():
+            raise RuntimeError(f"pytest wrote no report in {directory}: is it a workspace?")
+        return json.loads(report.read_text())
+
+
+# --- shortcuts -------------------------------------------------------------------------------
+
+LOADERS = {"importlib", "imp", "runpy", "pkgutil", "zipimport", "site"}  # modules that load code by hand
+TEST_MODULES = ("pytest", "_pytest", "conftest", "tests", "test_", "helpers_")  # what the tests are made of
+FRAMES = {"inspect", "gc"}  # a caller's frames hold the test's expected values
+LOADING_CALLS = {"__import__", "exec", "eval", "compile"}
+IMPORT_STATE = {"path", "modules", "meta_path", "path_hooks", "path_importer_cache"}
+LOCATING = {"__file__", "__path__", "__spec__", "__loader__"}
+INSTALLED = re.compile(r"(site|dist)-packages")
+TEST_PATH = re.compile(r"(^|[\\/])tests([\\/]|$)|test_stage\d|conftest")
+PROTECTED_NAMES = ("conftest.py", "pyproject.toml", "pytest.ini", "tox.ini", "setup.cfg", "sitecustomize.py",
+                   "usercustomize.py")
+
+
+def _refusal(rule: str, where: str, reason: str) -> dict:
+    return {"rule": rule, "where": where, "reason": reason}
+
+
+def scan_source(source: str, filename: str) -> list[dict]:
+    """The shortcuts a learner's file takes, found in its code (docstrings and comments left out).
+
+    ``reference``: it loads code by hand or locates a package's files (the installed minipaged);
+    ``reads-tests``: it imports the tests or pytest, names a test's file, or reads its callers' frames.
+    """
+    tree = ast.parse(source, filename)
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    found = []
+
+    def add(node: ast.AST, rule: str, reason: str) -> None:
+        found.append(_refusal(rule, f"{filename}:{getattr(node, 'lineno', 0)}", reason))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names if not (isinstance(node, ast.ImportFrom) and node.level) else []:
+                root = name.split(".")[0]
+                if root in LOADERS:
+                    add(node, "reference", f"imports {name}: it loads code by hand, the installed minipaged too")
+                elif root in TEST_MODULES[:4] or root.startswith(TEST_MODULES[4:]):
+                    add(node, "reads-tests", f"imports {name}: the tests are not the learner's to read")
+                elif root in FRAMES:
+                    add(node, "reads-tests", f"imports {name}: its callers' frames hold the tests' expected values")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOADING_CALLS:
+            add(node, "reference", f"calls {node.func.id}(): it runs code that is not in the file")
+        elif isinstance(node, ast.Attribute):
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if base == "sys" and node.attr in IMPORT_STATE:
+                add(node, "reference", f"uses sys.{node.attr}: it changes where modules come from")
+            elif base == "sys" and node.attr == "_getframe":
+                add(node, "reads-tests", "reads its callers' frames: they hold the tests' expected values")
+            elif node.attr in LOCATING and base is not None:
+                add(node, "reference", f"reads {base}.{node.attr}: it locates a package's files")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if INSTALLED.search(node.value):
+                add(node, "reference", f"names {node.value!r}: the installed packages")
+            elif TEST_PATH.search(node.value) or node.value == "tests":
+                add(node, "reads-tests", f"names {node.value!r}: the tests' files")
+    return found
+
+
+def _protected(name: str) -> bool:
+    """The files that decide the grade: the tests, pytest's configuration, the grader itself."""
+    return (name.startswith(("tests/", "minipaged/learn/")) or name.rsplit("/", 1)[-1] in PROTECTED_NAMES
+            or name.endswith(".pth"))
+
+
+def integrity(directory: Path, stages: list[int]) -> tuple[list[dict], dict]:
+    """The shortcuts found before any test runs, and what was checked.
+
+    Edited, added or deleted tests (or pytest's configuration, or the grader) need the
+    workspace's list of the files it was written with; without it they are not checked, and
+    the report says so. The learner's files are read for shortcuts: the graded stages' files,
+    and every other file of the package that was edited or added."""
+    directory = Path(directory)
+    written = workspace_manifest(directory)
+    present = _workspace_files(directory)
+    refused = []
+    for name in sorted(set(written) | set(present)):
+        if not _protected(name):
+            continue
+        if name not in present:
+            refused.append(_refusal("tests-edited", name, f"{name} was deleted"))
+        elif name not in written and written:
+            refused.append(_refusal("tests-edited", name, f"{name} was added"))
+        elif written and _digest(present[name]) != written[name]:
+            refused.append(_refusal("tests-edited", name, f"{name} was edited"))
+    files = stage_files(directory / "minipaged")
+    learners = {path.relative_to(directory).as_posix() for s in stages for path in files.get(s, [])}
+    learners |= {name for name, path in present.items() if name.startswith("minipaged/") and name.endswith(".py")
+                 and not _protected(name) and written and written.get(name) != _digest(path)}
+    for name in sorted(learners):
+        refused.extend(scan_source((directory / name).read_text(), name))
+    checked = {"tests_unchanged": bool(written), "files_read": sorted(learners)}
+    if not written:
+        checked["note"] = "no list of the files the workspace was written with: the tests were not checked"
+    return refused, checked
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+def _harness(directory: Path, extra: Path | None, into: Path) -> list[str]:
+    """Copy what the tests need into ``into``, a teacher's tests into its ``tests/``; return
+    the teacher's test files as ``tests/...`` names. A teacher's file never replaces a public one."""
+    ignore = shutil.ignore_patterns(*CACHES, "*.pyc")
+    for name in ("minipaged", "tests"):
+        if (directory / name).is_dir():
+            shutil.copytree(directory / name, into / name, ignore=ignore)
+    for name in ("conftest.py", "pyproject.toml", WORKSPACE_MARK):
+        if (directory / name).is_file():
+            shutil.copy2(directory / name, into / name)
+    names = []
+    for name, path in (_workspace_files(extra) if extra else {}).items():
+        target = into / "tests" / name
+        if target.exists():
+            raise ValueError(f"{path} has the name of one of the workspace's tests (tests/{name}): rename it")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        names.append(f"tests/{name}")
+    return names
+
+
+def _outcome(record: dict, rubric: Rubric, gpus: list) -> str:
+    reasons = record.get("reason", [])
+    if record["outcome"] == "skipped" and not gpus and any(re.search(rubric.blocked, r) for r in reasons):
+        return "blocked"
+    return record["outcome"]
+
+
+def graded_files(directory: Path, stages: list[int]) -> dict[str, str]:
+    """The SHA-256 of each file the learner edits in the graded stages, by relative path."""
+    found = {}
+    for stage in stages:
+        if stage in stage_files(Path(directory) / "minipaged"):
+            for path in files_to_write(stage, Path(directory) / "minipaged"):
+                found[path.relative_to(directory).as_posix()] = _digest(path)
+    return found
+
+
+def grade_report(directory: Path, stages: list[int] | None = None, extra_tests: Path | None = None,
+                 rubric: Rubric = RUBRIC, collect_only: bool = False) -> dict:
+    """Grade the workspace ``directory`` (every stage, or ``stages``), with a teacher's
+    ``extra_tests`` beside its own; see the module's docstring. ``collect_only``: list the
+    tests and their points, run none."""
+    directory = Path(directory).resolve()
+    if not (directory / "minipaged").is_dir():
+        raise FileNotFoundError(f"{directory} holds no minipaged package: is it a workspace?")
+    if extra_tests is not None and not Path(extra_tests).is_dir():
+        raise FileNotFoundError(f"no folder of tests at {extra_tests}")
+    selected = sorted(stages) if stages else sorted(stage_files(directory / "minipaged"))
+    started = time.monotonic()
+    refused, checked = integrity(directory, selected)
+    report: dict = {"schema": SCHEMA, "directory": str(directory), "workspace_stage": edited_stage(directory),
+                    "stages": [], "files": graded_files(directory, selected), "extra_tests": {},
+                    "refused": refused, "checked": checked, "environment": {}, "rubric": rubric.as_dict()}
+    if not refused or collect_only:
+        with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as tmp:
+            root = Path(tmp)
+            extra_names = _harness(directory, Path(extra_tests) if extra_tests else None, root)
+            report["extra_tests"] = {name: _digest(root / name) for name in extra_names}
+            reference = PACKAGE_DIR if PACKAGE_DIR.resolve() != (directory / "minipaged") else None
+            guard = {"package": str(root / "minipaged"), "tests": str(root / "tests"),
+                     "reference": str(reference) if reference else None, "out": str(root / "guard.json")}
+            args = ["-m", " or ".join(f"stage{n}" for n in selected), *(["--collect-only"] if collect_only else [])]
+            records = run_tests(root, *args, env={"MINIPAGED_GUARD": json.dumps(guard)})
+            seen = json.loads((root / "guard.json").read_text()) if (root / "guard.json").is_file() else {}
+        report["environment"] = seen.get("environment", {})
+        if not collect_only:
+            refused.extend(seen.get("findings", []))
+        report["stages"] = _stages(records, selected, rubric, set(extra_names), report["environment"], collect_only)
+    _score(report, selected, rubric)
+    report["execution_time"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def _stages(records: dict[str, dict], selected: list[int], rubric: Rubric, extra: set[str], environment: dict,
+            collect_only: bool) -> list[dict]:
+    rows = []
+    for stage in selected:
+        ids = [nodeid for nodeid, record in records.items() if stage in record["stages"]]
+        points = rubric.test_points(stage, ids)
+        tests = []
+        for nodeid in ids:
+            record = records[nodeid]
+            status = "collected" if collect_only else _outcome(record, rubric, environment.get("gpus", []))
+            tests.append({"id": nodeid, "source": "extra" if nodeid.split("::")[0] in extra else "public",
+                          "status": status, "weight": rubric.weight(nodeid), "points": points[nodeid],
+                          "score": points[nodeid] if status == "passed" else 0.0,
+                          **({"reason": record["reason"]} if record.get("reason") and not collect_only else {})})
+        rows.append({"stage": stage, "tests": tests})
+    return rows
+
+
+def _score(report: dict, selected: list[int], rubric: Rubric) -> None:
+    """Each stage's score and status, and the total; a refused submission scores nothing."""
+    refused = bool(report["refused"])
+    by_stage = {row["stage"]: row for row in report["stages"]}
+    for stage in selected:
+        row = by_stage.setdefault(stage, {"stage": stage, "tests": []})
+        tests = row["tests"]
+        counts = {s: sum(t["status"] == s for t in tests) for s in ("passed", "failed", "skipped", "blocked")}
+        blocked = round(sum(t["points"] for t in tests if t["status"] == "blocked"), 4)
+        worth = rubric.points.get(stage, 0.0)
+        if refused:
+            status = "refused"
+            for test in tests:
+                test["score"] = 0.0
+        elif not tests or all(t["status"] == "collected" for t in tests):
+            status = "no tests" if not tests else "collected"
+        elif counts["failed"] + counts["skipped"] == 0:
+            status = "complete" if counts["passed"] else "blocked"
+        else:
+            status = "not started" if counts["passed"] == 0 else "in progress"
+        weights = sum(t["weight"] for t in tests)
+        earned = worth * sum(t["weight"] for t in tests if t["score"]) / weights if weights else 0.0
+        row.update({"points": worth, "score": round(earned, 4), "blocked_points": blocked,
+                    "status": status, **counts})
+    report["stages"] = [by_stage[s] for s in selected]
+    report["score"] = round(sum(row["score"] for row in report["stages"]), 4)
+    report["max_score"] = round(sum(row["points"] for row in report["stages"]), 4)
+    report["blocked_points"] = round(sum(row["blocked_points"] for row in report["stages"]), 4)
+
+
+# --- what it prints and writes ---------------------------------------------------------------
+
+def rows(report: dict) -> list[StageResult]:
+    """The report as the grade table's rows (blocked tests count as skipped)."""
+    found = []
+    for row in report["stages"]:
+        failed = [t for t in row["tests"] if t["status"] == "failed"]
+        found.append(StageResult(row["stage"], row["passed"], row["failed"], row["skipped"] + row["blocked"],
+                                 [t["id"] for t in failed], {t["id"]: t.get("reason", []) for t in failed}))
+    return found
+
+
+def grade(directory: Path, stages: list[int] | None = None) -> list[StageResult]:
+    """Run the stage tests in ``directory`` (every stage, or ``stages``); count passes per stage."""
+    return [row for row in rows(grade_report(directory, stages)) if row.total or row.skipped]
+
+
+def format_grades(rows: list[StageResult], edited: int | None = None, show: int = 5) -> str:
+    """The grade table, one row per stage, and the likely cause.
+
+    Under each stage, its first ``show`` failing tests, each with the line of the test where
+    it failed and the first line of the error.
+
+    ``edited``: the stage the learner works on. When another stage fails too, the lowest
+    failing stage is named as the likely cause: every stage builds on the ones below it.
+    """
+    lines = [f"{'stage':<6} {'passed':>10}  status", "-" * 32]
+    for row in rows:
+        lines.append(f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}  {row.status}")
+        for nodeid in row.failures[:show]:
+            lines.append(f"{'':<8}failed: {nodeid}")
+            lines.extend(f"{'':<10}{reason}" for reason in row.reasons.get(nodeid, []))
+        if len(row.failures) > show:
+            lines.append(f"{'':<8}... and {len(row.failures) - show} more")
+    failing = [row.stage for row in rows if row.failures]
+    if failing and edited is not None and any(stage != edited for stage in failing):
+        lowest = min(failing)
+        cause = "your stage" if lowest == edited else "a stage below yours, which you did not edit"
+        lines.append(f"likely cause: stage {lowest} ({cause}); every stage builds on the ones below it, "
+                     f"so fix the lowest failing stage first")
+    return "\n".join(lines)
+
+
+def _points(x: float) -> str:
+    return f"{x:g}"
+
+
+def format_report(report: dict) -> str:
+    """The grade table, then the points, what is blocked on this machine, and any refusal."""
+    lines = [format_grades(rows(report), report["workspace_stage"])] if not report["refused"] else []
+    for row in report["stages"]:
+        blocked = f", {row['blocked']} tests ({_points(row['blocked_points'])} points) blocked: no GPU here" \
+            if row["blocked"] else ""
+        lines.append(f"stage {row['stage']}: {_points(row['score'])}/{_points(row['points'])} points{blocked}")
+    lines.append(f"score: {_points(report['score'])}/{_points(report['max_score'])} points")
+    if report["refused"]:
+        lines.append("refused, no points:")
+        lines.extend(f"  {r['where']}: {r['reason']}" for r in report["refused"])
+    if report["checked"].get("note"):
+        lines.append(f"note: {report['checked']['note']}")
+    return "\n".join(lines)
+
+
+def format_rubric(report: dict) -> str:
+    """The rubric: each stage's points, and each test's share as collected in the workspace."""
+    lines = [f"rubric: {_points(report['rubric']['total'])} points; tests skipped for want of a GPU "
+             f"(reason matching {report['rubric']['blocked']!r}) are blocked, not failed"]
+    lines.extend(f"  weight {w['weight']:g}: {w['match']}" for w in report["rubric"]["weights"])
+    for row in report["stages"]:
+        lines.append(f"stage {row['stage']}: {_points(row['points'])} points, {len(row['tests'])} tests")
+        lines.extend(f"  {_points(t['points']):>7}  {t['id']}" + (" (extra)" if t["source"] == "extra" else "")
+                     for t in row["tests"])
+    return "\n".join(lines)
+
+
+def gradescope_results(report: dict, hidden: str = "after_published") -> dict:
+    """The report as Gradescope's ``results.json``: one test per rule, with its points.
+
+    A blocked test is worth 0 of 0 here (its points are held back, not lost) and says so; a
+    teacher's extra tests are shown with ``hidden`` visibility, the public ones at once."""
+    tests = []
+    for row in report["stages"]:
+        for number, test in enumerate(row["tests"], start=1):
+            blocked = test["status"] == "blocked"
+            output = "\n".join(test.get("reason", []))
+            if blocked:
+                output = f"blocked: needs a GPU this machine lacks; its {_points(test['points'])} points are held back"
+            entry = {"name": test["id"], "number": f"{row['stage']}.{number}",
+                     "score": 0.0 if blocked else test["score"], "max_score": 0.0 if blocked else test["points"],
+                     "output": output, "tags": [f"stage{row['stage']}", test["source"], test["status"]],
+                     "visibility": hidden if test["source"] == "extra" else "visible"}
+            if not blocked:
+                entry["status"] = "passed" if test["status"] == "passed" else "failed"
+            tests.append(entry)
+    summary = format_report(report)
+    return {"score": report["score"], "execution_time": report["execution_time"], "output": summary,
+            "visibility": "visible", "stdout_visibility": "hidden", "tests": tests,
+            "extra_data": {"schema": SCHEMA, **{key: report[key] for key in (
+                "max_score", "blocked_points", "refused", "files", "extra_tests", "environment")}}}
+
+
+def is_previous_results(path: Path) -> bool:
+    """Whether ``path`` is a file this grader wrote (a report or a results.json): one it may replace."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and SCHEMA in (data.get("schema"), (data.get("extra_data") or {}).get("schema"))
+
+
+def write_results(path: Path, data: dict, force: bool = False) -> Path:
+    """Write ``data`` as JSON to ``path``: a new file, or one this grader wrote before; anything
+    else only with ``force``. Never a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileExistsError(f"{path} is a folder; --output names the file to write")
+    if path.exists() and not force and not is_previous_results(path):
+        raise FileExistsError(f"{path} exists and is not results this grader wrote; pass --force to replace "
+                              "it, or choose another --output")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.tmp")
+    scratch.write_text(json.dumps(data, indent=2) + "\n")
+    scratch.replace(path)
+    return path

@@ -1,0 +1,280 @@
+"""The grader a teacher hands out: points per test and per stage, a teacher's own tests, blocked
+GPU tests, Gradescope's results.json, and the shortcuts it refuses.
+
+Every run grades the block allocator's exercise (its tests are quick) with ``--stage 1``; the
+shortcuts found by reading the code are refused before any test runs. Test ids here never name a
+stage, so that ``pytest -k stageN`` never selects them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minipaged.learn.exercise import REPO_DIR, _digest, make_workspace, stage_files
+from minipaged.learn.grade import (
+    RUBRIC,
+    SCHEMA,
+    Rubric,
+    grade_report,
+    scan_source,
+    write_results,
+)
+
+pytestmark = pytest.mark.common
+
+CLI = [sys.executable, "-m", "minipaged.cli", "grade"]
+(ALLOCATOR,) = stage_files()[1]
+PAGE = REPO_DIR / "docs" / "exercises" / "teachers.md"
+DOUBLE_FREE = ("        if self._is_free[block_id]:\n            raise ValueError(",
+               "        if False:\n            raise ValueError(")  # a learner's allocator that accepts a double free
+
+
+def _page_block(language: str, first_line: str) -> str:
+    """The page's code block in ``language`` whose first line is ``first_line``."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", PAGE.read_text(), re.S)
+    return next(block for block in blocks if block.startswith(first_line))
+
+
+def _teachers_tests(folder: Path) -> Path:
+    """The teacher's private tests, as the page shows them."""
+    source = _page_block("python", "# private/test_allocator_private.py")
+    folder.mkdir()
+    (folder / "test_allocator_private.py").write_text(source)
+    return folder
+
+
+def _workspace(tmp: Path, source: str | None = None) -> Path:
+    """A workspace of the allocator's exercise, its stubs filled with ``source`` (or left as stubs)."""
+    workspace = make_workspace(1, tmp / "ws")
+    if source is not None:
+        (workspace / "minipaged" / ALLOCATOR.name).write_text(source)
+    return workspace
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """A double-free bug graded with the teacher's tests: the printed report and results.json."""
+    tmp = tmp_path_factory.mktemp("graded")
+    wrong = ALLOCATOR.read_text().replace(*DOUBLE_FREE)
+    assert wrong != ALLOCATOR.read_text()
+    workspace = _workspace(tmp, wrong)
+    private = _teachers_tests(tmp / "private")
+    results = tmp / "out" / "results.json"
+    done = subprocess.run([*CLI, str(workspace), "--stage", "1", "--tests", str(private), "--json",
+                           "--format", "gradescope", "--output", str(results)], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr  # the stage is not complete
+    return {"report": json.loads(done.stdout), "results": json.loads(results.read_text()), "workspace": workspace,
+            "private": private, "source": wrong}
+
+
+def _tests(report: dict) -> dict[str, dict]:
+    return {test["id"]: test for row in report["stages"] for test in row["tests"]}
+
+
+def test_the_report_gives_points_per_test_and_per_stage(graded):
+    report = graded["report"]
+    (row,) = report["stages"]
+    tests = row["tests"]
+    assert row["stage"] == 1 and row["points"] == RUBRIC.points[1] == report["max_score"]
+    assert row["passed"] + row["failed"] + row["skipped"] + row["blocked"] == len(tests)
+    assert 0 < row["passed"] and 0 < row["failed"] and row["status"] == "in progress"
+    assert {t["points"] for t in tests} == {round(RUBRIC.points[1] / len(tests), 4)}  # equal weights
+    assert all(t["score"] == (t["points"] if t["status"] == "passed" else 0) for t in tests)
+    assert report["score"] == round(RUBRIC.points[1] * row["passed"] / len(tests), 4) == row["score"]
+    assert all(t["reason"] for t in tests if t["status"] == "failed")  # where and why each failed
+
+
+def test_the_teachers_tests_run_beside_the_public_ones(graded):
+    tests = _tests(graded["report"])
+    extra = {i.split("::")[1]: t for i, t in tests.items() if t["source"] == "extra"}
+    assert extra["test_a_fresh_pool_hands_out_block_zero_first"]["status"] == "passed"
+    assert extra["test_a_double_free_is_refused"]["status"] == "failed"  # the bug, caught by the teacher's test
+    assert any(t["source"] == "public" and t["status"] == "failed" for t in tests.values())
+    name = "tests/test_allocator_private.py"
+    assert graded["report"]["extra_tests"] == {name: _digest(graded["private"] / "test_allocator_private.py")}
+    assert not (graded["workspace"] / name).exists()  # the learner's folder never sees them
+
+
+def test_a_test_that_needs_a_gpu_is_blocked_on_a_cpu_never_zero(graded):
+    report = graded["report"]
+    gpu = next(t for i, t in _tests(report).items() if i.endswith("::test_block_ids_index_a_cuda_tensor"))
+    (row,) = report["stages"]
+    if torch.cuda.is_available():
+        assert gpu["status"] == "passed" and row["blocked"] == 0
+    else:
+        assert gpu["status"] == "blocked" and row["blocked"] == 1 and report["blocked_points"] == gpu["points"] > 0
+        assert report["environment"]["gpus"] == []
+
+
+def test_the_report_names_the_graded_files_and_the_machine(graded):
+    report = graded["report"]
+    assert report["schema"] == SCHEMA and report["workspace_stage"] == 1
+    graded_file = graded["workspace"] / "minipaged" / ALLOCATOR.name
+    assert report["files"] == {f"minipaged/{ALLOCATOR.name}": _digest(graded_file)}
+    environment = report["environment"]
+    assert environment["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert environment["torch"] == torch.__version__.split("+")[0] or environment["torch"] == torch.__version__
+    assert {"triton", "platform", "cpu", "cpu_count", "cuda", "gpus"} <= set(environment)
+    assert report["refused"] == [] and report["checked"]["tests_unchanged"]
+
+
+def test_results_json_is_gradescopes_format(graded):
+    report, results = graded["report"], graded["results"]
+    assert results["score"] == report["score"] and results["extra_data"]["schema"] == SCHEMA
+    tests = {t["name"]: t for t in results["tests"]}
+    assert set(tests) == set(_tests(report))
+    for name, test in _tests(report).items():
+        entry = tests[name]
+        if test["status"] == "blocked":
+            assert entry["max_score"] == entry["score"] == 0 and "status" not in entry
+        else:
+            assert (entry["score"], entry["max_score"]) == (test["score"], test["points"])
+            assert entry["status"] == ("passed" if test["status"] == "passed" else "failed")
+        assert entry["visibility"] == ("after_published" if test["source"] == "extra" else "visible")
+
+
+def test_stubs_score_nothing(tmp_path):
+    report = grade_report(_workspace(tmp_path), [1])
+    (row,) = report["stages"]
+    assert row["passed"] == 0 and row["failed"] == len(row["tests"]) > 0
+    assert report["score"] == 0 and row["status"] == "not started" and report["refused"] == []
+
+
+def test_the_rubric_shows_each_tests_points_without_running_them(tmp_path, graded):
+    done = subprocess.run([*CLI, str(_workspace(tmp_path)), "--stage", "1", "--rubric", "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rubric = json.loads(done.stdout)
+    assert rubric["points"] == {str(s): p for s, p in RUBRIC.points.items()}
+    (row,) = rubric["stages"]
+    public = [t for t in _tests(graded["report"]).values() if t["source"] == "public"]
+    assert len(row["tests"]) == len(public) and {t["status"] for t in row["tests"]} == {"collected"}
+    assert sum(t["points"] for t in row["tests"]) == pytest.approx(RUBRIC.points[1], abs=1e-3)
+
+
+def test_weights_share_a_stages_points():
+    rubric = Rubric(points={1: 6}, weights=(("*::test_heavy*", 2.0),))
+    assert rubric.test_points(1, ["t.py::test_heavy", "t.py::a", "t.py::b", "t.py::c"]) == {
+        "t.py::test_heavy": 2.4, "t.py::a": 1.2, "t.py::b": 1.2, "t.py::c": 1.2}
+    assert rubric.test_points(2, ["t.py::a"]) == {"t.py::a": 0.0}  # a stage the rubric does not name
+
+
+@pytest.fixture(scope="module")
+def clean_workspace(tmp_path_factory):
+    return _workspace(tmp_path_factory.mktemp("clean"), ALLOCATOR.read_text())
+
+
+SHORTCUTS = {
+    "importlib": ("import importlib\n", "reference"),
+    "sys-path": ("import sys\nsys.path.insert(0, '/elsewhere')\n", "reference"),
+    "installed-copy": ("SOURCE = open('/usr/lib/python3/site-packages/minipaged/x.py').read\n", "reference"),
+    "package-file": ("import minipaged\nHOME = minipaged.__file__\n", "reference"),
+    "exec": ("exec('x = 1')\n", "reference"),
+    "test-module": ("import test_stage1_block_allocator\n", "reads-tests"),
+    "test-file": ("TESTS = 'tests/test_stage1_block_allocator.py'\n", "reads-tests"),
+    "pytest": ("import pytest\n", "reads-tests"),
+    "frames": ("import inspect\n", "reads-tests"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHORTCUTS))
+def test_a_shortcut_in_the_learners_file_is_refused_before_any_test_runs(name, clean_workspace):
+    line, rule = SHORTCUTS[name]
+    target = clean_workspace / "minipaged" / ALLOCATOR.name
+    reference = ALLOCATOR.read_text()
+    target.write_text(reference.replace("from __future__ import annotations\n",
+                                        f"from __future__ import annotations\n\n{line}", 1))
+    try:
+        report = grade_report(clean_workspace, [1])
+    finally:
+        target.write_text(reference)
+    assert [r["rule"] for r in report["refused"]] and {r["rule"] for r in report["refused"]} == {rule}
+    assert all(r["where"].startswith(f"minipaged/{ALLOCATOR.name}:") for r in report["refused"])
+    assert report["score"] == 0 and report["stages"][0]["status"] == "refused" and report["stages"][0]["tests"] == []
+
+
+@pytest.mark.parametrize("change", ["edited", "deleted", "added"])
+def test_a_workspace_whose_tests_changed_is_refused(change, clean_workspace):
+    tests = clean_workspace / "tests"
+    target = tests / ("conftest_extra.py" if change == "added" else "test_stage1_block_allocator.py")
+    before = target.read_bytes() if target.exists() else None
+    if change == "edited":
+        target.write_text(before.decode().replace("assert ", "assert True or ", 1))
+    elif change == "deleted":
+        target.unlink()
+    else:
+        target.write_text("import pytest\n")
+    try:
+        report = grade_report(clean_workspace, [1])
+    finally:
+        target.unlink(missing_ok=True)
+        if before is not None:
+            target.write_bytes(before)
+    assert [(r["rule"], r["where"]) for r in report["refused"]] == [("tests-edited", f"tests/{target.name}")]
+    assert report["score"] == 0
+
+
+def test_a_shortcut_the_code_hides_is_caught_while_the_tests_run(tmp_path):
+    """Paths built at run time: the learner's allocator reads a test helper and the installed copy."""
+    source = ALLOCATOR.read_text().replace("from __future__ import annotations\n",
+                                           "from __future__ import annotations\n\nimport os\n", 1)
+    hidden = (f'        self._seen = [open(os.path.join(os.getcwd(), "te" + "sts", "helpers_kv.py")).read(),\n'
+              f'                      open({str(ALLOCATOR)!r}).read()]\n')
+    source = source.replace('        check_int("num_blocks", num_blocks, 1)\n',
+                            f'        check_int("num_blocks", num_blocks, 1)\n{hidden}', 1)
+    assert "_seen" in source and scan_source(source, ALLOCATOR.name) == []  # the code alone does not show it
+    report = grade_report(_workspace(tmp_path, source), [1])
+    reasons = {(r["rule"], r["reason"].split()[1]) for r in report["refused"]}
+    assert reasons == {("reads-tests", "tests/helpers_kv.py"), ("reference", str(ALLOCATOR))}
+    assert all(r["where"].startswith(f"minipaged/{ALLOCATOR.name}:") for r in report["refused"])
+    assert report["score"] == 0 and report["stages"][0]["status"] == "refused"
+
+
+def test_no_file_of_the_package_is_taken_for_a_shortcut():
+    for path in sorted((REPO_DIR / "minipaged").glob("stage*_*.py")):
+        assert scan_source(path.read_text(), path.name) == [], path.name
+
+
+def test_results_are_written_only_over_a_previous_results_file(tmp_path):
+    path = tmp_path / "results.json"
+    write_results(path, {"schema": SCHEMA, "score": 1})
+    write_results(path, {"schema": SCHEMA, "score": 2})  # a previous report is replaced
+    assert json.loads(path.read_text())["score"] == 2
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"score": 9}')
+    with pytest.raises(FileExistsError):
+        write_results(mine, {"schema": SCHEMA})
+    assert mine.read_text() == '{"score": 9}'
+    write_results(mine, {"schema": SCHEMA}, force=True)
+    assert json.loads(mine.read_text()) == {"schema": SCHEMA}
+    with pytest.raises(FileExistsError):
+        write_results(tmp_path, {"schema": SCHEMA}, force=True)  # never a folder
+
+
+def test_the_pages_example_is_what_the_grader_prints(graded):
+    """The page's JSON is a run of its own commands (its list of tests cut short): the same fields,
+    points, outcomes and digests."""
+    if torch.cuda.is_available():
+        pytest.skip("the page's example ran on a machine without a GPU")
+    example = json.loads(_page_block("json", "{"))
+    report = graded["report"]
+    assert set(example) == set(report) and set(example["environment"]) == set(report["environment"])
+    (shown,), (row,) = example["stages"], report["stages"]
+    assert {k: v for k, v in shown.items() if k != "tests"} == {k: v for k, v in row.items() if k != "tests"}
+    tests = _tests(report)
+    for test in shown["tests"]:
+        ran = tests[test["id"]]
+        assert {k: test[k] for k in ("source", "status", "points", "score")} == {
+            k: ran[k] for k in ("source", "status", "points", "score")}
+    assert {t["status"] for t in shown["tests"]} == {"passed", "failed", "blocked"}
+    for key in ("score", "max_score", "blocked_points", "extra_tests", "rubric", "refused", "schema"):
+        assert example[key] == report[key], key
+    assert example["files"].keys() == report["files"].keys()  # the digests change with the stage's file
+    assert all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in example["files"].values())
