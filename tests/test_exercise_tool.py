@@ -357,6 +357,20 @@ def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
     assert stage_test_files(REPO_DIR, 1) == ["tests/test_stage1_block_allocator.py"]  # not stage 10's
 
 
+def test_the_tests_that_killed_the_last_mutants_run_first():
+    """``MINIPAGED_TESTS_FIRST`` (what ``run_mutants`` sets from the killers so far) puts those
+    tests first, in its order; the rest keep theirs."""
+    tests = "tests/test_stage1_block_allocator.py"
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", tests]
+    plain = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
+    order = [line for line in plain.stdout.splitlines() if line.startswith(tests + "::")]
+    first = [order[-1], order[3]]
+    env = {**os.environ, "MINIPAGED_TESTS_FIRST": "\n".join(first)}
+    moved = subprocess.run(command, cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=120)
+    got = [line for line in moved.stdout.splitlines() if line.startswith(tests + "::")]
+    assert got == first + [t for t in order if t not in first]
+
+
 def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_cause():
     rows = [StageResult(1, 5, 2, 0, ["tests/test_stage1_x.py::a", "tests/test_stage1_x.py::b"]),
             StageResult(2, 9, 0, 0), StageResult(3, 1, 4, 0, ["tests/test_stage3_x.py::c"])]
@@ -410,12 +424,12 @@ def stage_solution_lines(stage: int) -> set[str]:
 def given_lines(package: Path, stage: int) -> set[str]:
     """The lines of the package's code that lie outside stage ``stage``'s solutions: code that
     every workspace holds by design (the other stages, the stubbed file's own code)."""
-    found = set()
+    found, stubbed = set(), stage_files(package)[stage]
     for path in package.rglob("*.py"):
         if path.name == "mutants.py":
             continue
         lines = path.read_text().splitlines()
-        if path in stage_files(package)[stage]:
+        if path in stubbed:
             for begin, end, _ in solution_regions(path.read_text()):
                 lines[begin - 1 : end] = [""] * (end - begin + 1)
         found.update(line.strip() for line in lines)

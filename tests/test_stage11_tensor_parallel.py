@@ -141,6 +141,7 @@ def test_the_same_with_chunked_prefill_recompute_and_prompt_logprobs_with_v1s_sc
                 assert max(a.values()) == pytest.approx(max(b.values()), **tol)
 
 
+@pytest.mark.rounding_free
 def test_bad_sizes_are_refused_before_any_worker_starts_and_one_rank_is_the_engine_below(checkpoints):
     import multiprocessing
 
@@ -170,6 +171,7 @@ def gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.rounding_free
 def test_a_killed_worker_makes_the_driver_raise_within_seconds_and_leaves_no_process():
     llm = LLM("tiny", tensor_parallel_size=2)
     procs = list(llm.executor.procs)
@@ -193,6 +195,7 @@ def test_a_killed_worker_makes_the_driver_raise_within_seconds_and_leaves_no_pro
     assert all(not p.is_alive() for p in procs)
 
 
+@pytest.mark.rounding_free
 def test_ctrl_c_while_a_step_runs_leaves_the_engine_usable_with_every_block_back():
     expected = generate(OneProcess("tiny"))
     with LLM("tiny", tensor_parallel_size=2) as llm:
@@ -212,6 +215,7 @@ def test_ctrl_c_while_a_step_runs_leaves_the_engine_usable_with_every_block_back
         assert_same(generate(llm), expected, llm)  # the interrupted step's late answer is dropped
 
 
+@pytest.mark.rounding_free
 def test_no_worker_outlives_its_llm_close_with_block_or_interpreter_exit():
     llm = LLM("tiny", tensor_parallel_size=2)
     procs = list(llm.executor.procs)
@@ -234,6 +238,7 @@ def test_no_worker_outlives_its_llm_close_with_block_or_interpreter_exit():
     assert len(pids) == 2 and all(gone(pid) for pid in pids)
 
 
+@pytest.mark.rounding_free
 def test_the_same_worker_code_runs_under_torchrun():
     """``torchrun --standalone --nproc-per-node 2``: the ranks and the rendezvous from torchrun's
     environment, on loopback; rank 0 runs the engine and prints the tokens."""
@@ -249,6 +254,7 @@ def test_the_same_worker_code_runs_under_torchrun():
     assert got == [o.outputs[0].token_ids for o in generate(OneProcess("tiny", num_gpu_blocks=64), params=params)]
 
 
+@pytest.mark.rounding_free
 def test_serve_with_two_workers_answers_the_openai_client_and_503_once_a_worker_dies():
     """``minipaged serve --tensor-parallel-size 2``: the same completion as one process, whole and
     streamed; after a worker is killed, /health fails and requests get 503, and no worker remains."""

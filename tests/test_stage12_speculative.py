@@ -349,6 +349,7 @@ def test_an_exception_inside_a_verifying_step_leaves_the_engine_usable_with_ever
     assert_same(run(llm, prompts(), params), expected, llm)
 
 
+@pytest.mark.rounding_free
 def test_serve_with_speculative_config_answers_and_counts_its_drafts_in_metrics():
     """``minipaged serve --scheduler v1 --speculative-config '{...}'``: stage 10's completion, and
     vLLM's counters of drafts, draft tokens and accepted tokens in /metrics."""

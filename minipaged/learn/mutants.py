@@ -18,7 +18,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 from minipaged.learn.exercise import REPO_DIR, copy_workspace, solution_regions, stage_files
 
 TIMEOUT_S = 600  # a mutant that makes the tests hang counts as killed, by the timeout
+KILLERS_FIRST = 8  # how many of the tests that killed a stage's last mutants run first
 
 
 @dataclass(frozen=True)
@@ -496,8 +498,10 @@ def stage_test_files(workspace: Path, stage: int) -> list[str]:
                   if marked.search(f.read_text(encoding="utf-8")))
 
 
-def _first_failure(workspace: Path, stage: int) -> str | None:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1"}
+def _first_failure(workspace: Path, stage: int, first: Sequence[str] = ()) -> str | None:
+    """The first failing test of ``stage`` in ``workspace`` (``first``'s tests run first), or None."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1",
+           "MINIPAGED_TESTS_FIRST": "\n".join(first)}
     env.pop("PYTEST_ADDOPTS", None)
     # nbmake's plugin alone takes a second to import (it validates notebooks): no stage test needs it
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
@@ -533,6 +537,11 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
         for i in range(jobs):
             free.put(copy_workspace(Path(tmp) / f"ws{i}", repo_dir))
 
+        # The tests that killed a stage's mutants so far, the latest first: a mutant of the same
+        # stage is most often killed by one of them, so they run first. What kills it is still a test.
+        killers: dict[int, list[str]] = {}
+        lock = threading.Lock()
+
         def run(mutant: Mutant) -> MutantResult:
             workspace = free.get()
             package = workspace / "minipaged"
@@ -542,7 +551,14 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
             try:
                 for name in changed:
                     (package / name).write_text(mutated[name])
-                result = MutantResult(mutant, _first_failure(workspace, mutant.stage))
+                with lock:
+                    first = list(killers.get(mutant.stage, []))
+                result = MutantResult(mutant, _first_failure(workspace, mutant.stage, first))
+                killer = result.killed_by
+                if killer and "::" in killer:
+                    with lock:
+                        recent = [killer, *(k for k in killers.get(mutant.stage, []) if k != killer)]
+                        killers[mutant.stage] = recent[:KILLERS_FIRST]
             finally:
                 for name in changed:
                     (package / name).write_text(original[name])
