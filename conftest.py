@@ -60,9 +60,7 @@ def _stage_matcher(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """For the mutant catalogue: the tests that killed this stage's last mutants run first
-    (``MINIPAGED_TESTS_FIRST``, one node id a line), and tests that build checkpoints last, so
-    that a mutant fails sooner.
+    """For the mutant catalogue: tests that build checkpoints run last, so a mutant fails sooner.
 
     ``pytest -k`` reads a stage's number whole: ``-k stage1`` selects stage 1's tests and not
     stage 10's, and so does every expression over stage names (``-k "stage0 or stage1"``,
@@ -73,9 +71,6 @@ def pytest_collection_modifyitems(config, items):
 
     if os.environ.get("MINIPAGED_CHEAP_TESTS_FIRST"):
         items.sort(key=lambda item: "checkpoints" in getattr(item, "fixturenames", ()))
-    if first := os.environ.get("MINIPAGED_TESTS_FIRST"):
-        rank = {nodeid: i for i, nodeid in enumerate(first.splitlines())}
-        items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
     keyword = config.option.keyword
     try:
         expression = Expression.compile(keyword.strip()) if re.search(r"\bstage\d+\b", keyword, re.I) else None

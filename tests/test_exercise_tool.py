@@ -283,9 +283,9 @@ def test_the_mutant_catalogue_patches_solutions_only_and_covers_every_stage():
     from minipaged.learn.mutants import CATALOGUE, apply_mutant, stage_sources
 
     files = stage_files()
-    patched = set()
+    patched, by_stage = set(), {stage: stage_sources(stage, REPO_DIR / "minipaged") for stage in files}
     for mutant in CATALOGUE:  # each old text occurs once in its stage's files, inside a solution region
-        sources = stage_sources(mutant.stage, REPO_DIR / "minipaged")
+        sources = by_stage[mutant.stage]
         mutated = apply_mutant(sources, mutant)
         assert mutated != sources and mutated.keys() == sources.keys()
         patched |= {name for name in sources if mutated[name] != sources[name]}
@@ -355,20 +355,6 @@ def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
     for name, path in marked:
         assert path in stage_test_files(REPO_DIR, int(name.removeprefix("stage"))), (name, path)
     assert stage_test_files(REPO_DIR, 1) == ["tests/test_stage1_block_allocator.py"]  # not stage 10's
-
-
-def test_the_tests_that_killed_the_last_mutants_run_first():
-    """``MINIPAGED_TESTS_FIRST`` (what ``run_mutants`` sets from the killers so far) puts those
-    tests first, in its order; the rest keep theirs."""
-    tests = "tests/test_stage1_block_allocator.py"
-    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", tests]
-    plain = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
-    order = [line for line in plain.stdout.splitlines() if line.startswith(tests + "::")]
-    first = [order[-1], order[3]]
-    env = {**os.environ, "MINIPAGED_TESTS_FIRST": "\n".join(first)}
-    moved = subprocess.run(command, cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=120)
-    got = [line for line in moved.stdout.splitlines() if line.startswith(tests + "::")]
-    assert got == first + [t for t in order if t not in first]
 
 
 def test_grade_lists_the_failures_and_names_the_lowest_failing_stage_as_the_cause():

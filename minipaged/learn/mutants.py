@@ -18,8 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ from pathlib import Path
 from minipaged.learn.exercise import REPO_DIR, copy_workspace, solution_regions, stage_files
 
 TIMEOUT_S = 600  # a mutant that makes the tests hang counts as killed, by the timeout
-KILLERS_FIRST = 8  # how many of the tests that killed a stage's last mutants run first
 
 
 @dataclass(frozen=True)
@@ -498,13 +496,13 @@ def stage_test_files(workspace: Path, stage: int) -> list[str]:
                   if marked.search(f.read_text(encoding="utf-8")))
 
 
-def _first_failure(workspace: Path, stage: int, first: Sequence[str] = ()) -> str | None:
-    """The first failing test of ``stage`` in ``workspace`` (``first``'s tests run first), or None."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1",
-           "MINIPAGED_TESTS_FIRST": "\n".join(first)}
+def _first_failure(workspace: Path, stage: int) -> str | None:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1"}
     env.pop("PYTEST_ADDOPTS", None)
-    # nbmake's plugin alone takes a second to import (it validates notebooks): no stage test needs it
+    # plugins no stage test uses, each a fraction of a second to import (nbmake's alone about one):
+    # a mutant's run is mostly its start
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
+               "-p", "no:anyio", "-p", "no:benchmark",
                "-m", f"stage{stage}",
                "-o", "addopts=--strict-markers", "--tb=no", "-rf", *stage_test_files(workspace, stage)]
     try:
@@ -529,18 +527,14 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
     """
     catalogue = CATALOGUE if catalogue is None else catalogue
     chosen = [mu for mu in catalogue if stages is None or mu.stage in stages]
+    sources = {stage: stage_sources(stage, repo_dir / "minipaged") for stage in {mu.stage for mu in chosen}}
     for mutant in chosen:  # every patch must apply before anything runs
-        apply_mutant(stage_sources(mutant.stage, repo_dir / "minipaged"), mutant)
+        apply_mutant(sources[mutant.stage], mutant)
     jobs = max(1, min(jobs or min(os.cpu_count() or 1, 2), len(chosen) or 1))
     with tempfile.TemporaryDirectory() as tmp:
         free: queue.Queue[Path] = queue.Queue()
         for i in range(jobs):
             free.put(copy_workspace(Path(tmp) / f"ws{i}", repo_dir))
-
-        # The tests that killed a stage's mutants so far, the latest first: a mutant of the same
-        # stage is most often killed by one of them, so they run first. What kills it is still a test.
-        killers: dict[int, list[str]] = {}
-        lock = threading.Lock()
 
         def run(mutant: Mutant) -> MutantResult:
             workspace = free.get()
@@ -551,14 +545,7 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
             try:
                 for name in changed:
                     (package / name).write_text(mutated[name])
-                with lock:
-                    first = list(killers.get(mutant.stage, []))
-                result = MutantResult(mutant, _first_failure(workspace, mutant.stage, first))
-                killer = result.killed_by
-                if killer and "::" in killer:
-                    with lock:
-                        recent = [killer, *(k for k in killers.get(mutant.stage, []) if k != killer)]
-                        killers[mutant.stage] = recent[:KILLERS_FIRST]
+                result = MutantResult(mutant, _first_failure(workspace, mutant.stage))
             finally:
                 for name in changed:
                     (package / name).write_text(original[name])
