@@ -129,8 +129,11 @@ class MultiprocExecutor:
             raise WorkerDiedError(self.dead)
         call_id = next(self.call_ids)
         with interrupts_deferred():
-            for conn in self.conns:
-                conn.send((call_id, method, args))
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send((call_id, method, args))
+                except OSError:  # its end of the pipe is closed: it is gone, or going
+                    self.fail(f"tensor-parallel worker {rank} closed its pipe before {method}")
         return self.wait_all(call_id, timeout, method)
 
     def wait_all(self, call_id: int, timeout: float, what: str) -> list[Any]:

@@ -196,6 +196,23 @@ def test_a_killed_worker_makes_the_driver_raise_within_seconds_and_leaves_no_pro
 
 
 @pytest.mark.rounding_free
+def test_a_worker_killed_between_steps_fails_the_next_step_and_the_health_check():
+    """Its pipe is closed before the step is sent: the driver says the worker is gone, not that a
+    pipe broke, so that a server answers 503 (an engine that cannot serve) rather than 500."""
+    llm = LLM("tiny", tensor_parallel_size=2)
+    procs = list(llm.executor.procs)
+    generate(llm)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].join(10)
+    with pytest.raises(WorkerDiedError):
+        generate(llm)
+    with pytest.raises(WorkerDiedError):
+        llm.check_health()
+    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
+    assert all(not p.is_alive() for p in procs)
+
+
+@pytest.mark.rounding_free
 def test_ctrl_c_while_a_step_runs_leaves_the_engine_usable_with_every_block_back():
     expected = generate(OneProcess("tiny"))
     with LLM("tiny", tensor_parallel_size=2) as llm:
