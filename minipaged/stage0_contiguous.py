@@ -167,7 +167,8 @@ class ContiguousKVCache:
         # END SOLUTION
 
     def allocate(self, request_id: Hashable, prompt_len: int, output_len: int) -> Slab:
-        """Reserve a slab for a new request, in the first hole that fits.
+        """Reserve a slab for a new request, in the first hole that fits (first fit: the lowest
+        address with room, not the smallest hole that fits nor the largest).
 
         Raises ``ValueError`` for a duplicate id or a request that can never fit the arena,
         and ``OutOfSlotsError`` when it could fit but no hole is large enough now. A refused

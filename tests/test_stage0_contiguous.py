@@ -161,6 +161,21 @@ def test_first_fit_placement_reuses_the_first_hole_that_fits():
     assert cache.holes() == [(25, 5), (90, 10)]
 
 
+def test_placement_is_first_fit_not_best_or_worst_fit():
+    # holes in address order: 20 slots, then 10, then 50. A request of 8 fits all three:
+    # first fit takes the lowest address (0), best fit the smallest hole (30), worst fit the largest (50)
+    cache = ContiguousKVCache(100, 100, "oracle", num_layers=0)
+    for rid, n in [("a", 20), ("b", 10), ("c", 10), ("d", 10), ("e", 50)]:
+        cache.allocate(rid, n, 0)
+    for rid in "ace":
+        cache.free(rid)
+    assert cache.holes() == [(0, 20), (30, 10), (50, 50)]
+    assert cache.allocate("f", 8, 0).start == 0
+    assert cache.allocate("g", 10, 0).start == 8  # still the first hole that fits: 12 slots left at 8
+    assert cache.allocate("h", 10, 0).start == 30
+    assert cache.holes() == [(18, 2), (50, 50)]
+
+
 def test_external_fragmentation_is_measured_not_assumed():
     cache = ContiguousKVCache(100, 100, "oracle", num_layers=0)
     for i in range(5):

@@ -68,6 +68,12 @@ CATALOGUE: list[Mutant] = [
     m(0, "pow2 rounds down", ("return min(1 << (need - 1).bit_length(), self.max_model_len)",
                               "return min(1 << (need.bit_length() - 1), self.max_model_len)")),
     m(0, "oracle reserves the prompt only", ("        return need\n", "        return prompt_len\n")),
+    m(0, "placement is best fit", ("start = next((s for s, length in holes if length >= size), None)",
+                                   "start = min(((length, s) for s, length in holes if length >= size),\n"
+                                   "                    default=(0, None))[1]")),
+    m(0, "placement is worst fit", ("start = next((s for s, length in holes if length >= size), None)",
+                                    "start = max(((length, s) for s, length in holes if length >= size),\n"
+                                    "                    default=(0, None))[1]")),
     m(0, "the last hole is forgotten", ("        if cursor < self.num_slots:", "        if False:")),
     m(0, "best fit would need a smaller hole", ("return any(length >= size for _, length in self.holes())",
                                                "return any(length > size for _, length in self.holes())")),
