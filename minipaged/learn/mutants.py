@@ -12,10 +12,11 @@ specification: ``minipaged mutants`` exits non-zero and names it.
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import queue
 import re
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -502,25 +503,55 @@ def stage_test_files(workspace: Path, stage: int) -> list[str]:
                   if marked.search(f.read_text(encoding="utf-8")))
 
 
+# What every mutant's run imports before it reads a line of the workspace: imported once, in
+# multiprocessing's fork server, and every run is forked from it. The server runs no torch op,
+# so no thread pool is copied into a child; minipaged itself is never preloaded, since each run
+# must import its own workspace's (mutated) copy.
+PRELOAD = ["numpy", "torch", "hypothesis", "pytest", "transformers"]
+
+
+def _pytest_in_workspace(workspace: str, args: list[str], log: str) -> None:
+    """A forked child: run pytest on ``workspace`` as ``python -m pytest`` would there, output to ``log``."""
+    for name in [n for n in sys.modules if n == "minipaged" or n.startswith("minipaged.")]:
+        del sys.modules[name]  # the copy that unpickled this function: the workspace's must be imported
+    os.chdir(workspace)
+    sys.path.insert(0, workspace)
+    os.environ.update(PYTHONDONTWRITEBYTECODE="1", MINIPAGED_CHEAP_TESTS_FIRST="1")
+    os.environ.pop("PYTEST_ADDOPTS", None)
+    sys.dont_write_bytecode = True
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    import pytest
+
+    code = pytest.main(args)
+    atexit._run_exitfuncs()  # what an interpreter's exit runs (engines' finalizers stop their workers)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+
+
 def _first_failure(workspace: Path, stage: int) -> str | None:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MINIPAGED_CHEAP_TESTS_FIRST": "1"}
-    env.pop("PYTEST_ADDOPTS", None)
-    # plugins no stage test uses, each a fraction of a second to import (nbmake's alone about one):
-    # a mutant's run is mostly its start
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
-               "-p", "no:anyio", "-p", "no:benchmark",
-               "-m", f"stage{stage}",
-               "-o", "addopts=--strict-markers", "--tb=no", "-rf", *stage_test_files(workspace, stage)]
-    try:
-        done = subprocess.run(command, cwd=workspace, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    # plugins no stage test uses, each a fraction of a second to import (nbmake's alone about one)
+    args = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake", "-p", "no:anyio", "-p", "no:benchmark",
+            "-m", f"stage{stage}", "-o", "addopts=--strict-markers", "--tb=no", "-rf",
+            *stage_test_files(workspace, stage)]
+    log = workspace / ".mutant-run.log"
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    child = ctx.Process(target=_pytest_in_workspace, args=(str(workspace), args, str(log)))
+    child.start()
+    child.join(TIMEOUT_S)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
         return "timeout"
-    if done.returncode == 0:
+    if child.exitcode == 0:
         return None
-    for line in done.stdout.splitlines():
+    for line in log.read_text(errors="replace").splitlines():
         if line.startswith(("FAILED ", "ERROR ")):
             return line.split(" ", 1)[1].split(" - ")[0]
-    return f"pytest exited {done.returncode}"
+    return f"pytest exited {child.exitcode}"
 
 
 def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None = None,
