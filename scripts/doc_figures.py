@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import font_manager  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,18 +53,36 @@ from minipaged.perf.simulate import (  # noqa: E402
 
 OUT = ROOT / "docs" / "figures"
 OWNER_COLORS = {"A": "#4c72b0", "B": "#dd8452", "C": "#55a868", "D": "#c44e52", None: "#eeeeee"}
-plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "minipaged", "font.size": 11,
-                     "font.family": "sans-serif",
-                     # the axes fill the figure (the saved file is cropped to what is drawn), so a figure
-                     # 7.2 inches wide is shown about 690 px wide, the width of a page's column
-                     "figure.subplot.left": 0.0, "figure.subplot.right": 1.0,
-                     "figure.subplot.bottom": 0.0, "figure.subplot.top": 1.0})
+# Over matplotlib's defaults, whatever a matplotlibrc says: the same code draws the same bytes (the ids
+# of clip paths come from the salt, the file carries no date), so a test can redraw every figure and
+# compare it with the committed one.
+RC = {"svg.fonttype": "none", "svg.hashsalt": "minipaged", "font.size": 11, "font.family": "sans-serif",
+      # the axes fill the figure (the saved file is cropped to what is drawn), so a figure
+      # 7.2 inches wide is shown about 690 px wide, the width of a page's column
+      "figure.subplot.left": 0.0, "figure.subplot.right": 1.0,
+      "figure.subplot.bottom": 0.0, "figure.subplot.top": 1.0}
+plt.rcdefaults()
+plt.rcParams.update(RC)
+# The Chinese figures' font: Debian's fonts-noto-cjk (`make browser` installs it). Latin letters and digits
+# stay in DejaVu Sans, as in the English figures; only the Chinese characters fall back to it.
+CJK_FAMILY = "Noto Sans CJK SC"
 
 
 def _block(ax, x, y, w, h, label, color, text_color="white", edge="#333333", lw=1.0, dashed=False):
     ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor=edge, linewidth=lw,
                            linestyle="--" if dashed else "-"))
     ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", color=text_color, fontsize=10)
+
+
+def cjk_font() -> str | None:
+    """The Chinese figures' font family, registered with matplotlib; ``None`` where it is not installed."""
+    if any(font.name == CJK_FAMILY for font in font_manager.fontManager.ttflist):
+        return CJK_FAMILY
+    for path in sorted(font_manager.findSystemFonts()):
+        if Path(path).name == "NotoSansCJK-Regular.ttc":  # its faces: JP, KR, SC, TC, HK
+            font_manager.fontManager.addfont(path)
+            return CJK_FAMILY
+    return None
 
 
 def _save(fig, name):
@@ -302,26 +321,44 @@ def prefix_cache():
     _save(fig, "prefix_cache.svg")
 
 
+HOME_TOKENS = {"A": 14, "B": 30, "C": 7}  # the home figure's requests: the tokens each holds now
+HOME_MAX_MODEL_LEN = 40  # the longest a request may become: the slab policy `max` reserves
+HOME_BLOCKS, HOME_BLOCK_SIZE = 18, 8  # the paged half; the contiguous half has as many slots
+
+
+def home_contiguous() -> ContiguousKVCache:
+    """The home figure's contiguous half: its requests admitted in order under policy ``max``, each
+    holding its tokens. The slabs do not depend on the output lengths, which nobody knows yet."""
+    cache = ContiguousKVCache(HOME_BLOCKS * HOME_BLOCK_SIZE, HOME_MAX_MODEL_LEN, "max", num_layers=0)
+    for name, tokens in HOME_TOKENS.items():
+        cache.allocate(name, tokens, 0)
+        cache.append(name, tokens)
+    return cache
+
+
 def paged_memory():
     """Home page: the same three requests in the same 144 slots, in contiguous slabs and in blocks of 8."""
-    requests = {"A": (14, 40), "B": (30, 40), "C": (7, 40)}  # tokens held, slab reserved (max_model_len)
-    num_blocks, block_size = 18, 8
-    slots = num_blocks * block_size
+    cache = home_contiguous()
+    requests = HOME_TOKENS
+    num_blocks, block_size = HOME_BLOCKS, HOME_BLOCK_SIZE
+    slots = cache.num_slots
     fig, axes = plt.subplots(2, 1, figsize=(7.2, 3.0), gridspec_kw={"height_ratios": [1, 1.25]})
     ax = axes[0]
-    x = 0
-    for name, (tokens, reserved) in requests.items():
+    for slab in cache.slabs.values():
+        x, tokens, name = slab.start, slab.num_tokens, slab.request_id
         ax.add_patch(Rectangle((x, 0), tokens, 1, facecolor=OWNER_COLORS[name], edgecolor="none"))
-        ax.add_patch(Rectangle((x + tokens, 0), reserved - tokens, 1, facecolor=OWNER_COLORS[name],
+        ax.add_patch(Rectangle((x + tokens, 0), slab.size - tokens, 1, facecolor=OWNER_COLORS[name],
                                alpha=0.25, edgecolor="none"))
-        ax.add_patch(Rectangle((x, 0), reserved, 1, facecolor="none", edgecolor="#333333"))
+        ax.add_patch(Rectangle((x, 0), slab.size, 1, facecolor="none", edgecolor="#333333"))
         ax.text(x + tokens / 2, 0.5, name, color="white", ha="center", va="center", fontsize=10)
-        x += reserved
-    ax.add_patch(Rectangle((x, 0), slots - x, 1, facecolor=OWNER_COLORS[None], edgecolor="#333333"))
-    ax.text((x + slots) / 2, 0.5, f"{slots - x} free: too small\nfor a 4th slab", ha="center", va="center",
+    (x, free), = cache.holes()  # first fit packed the slabs from slot 0: one hole is left, at the end
+    assert not cache.can_allocate(1, 0)
+    ax.add_patch(Rectangle((x, 0), free, 1, facecolor=OWNER_COLORS[None], edgecolor="#333333"))
+    ax.text((x + slots) / 2, 0.5, f"{free} free: too small\nfor a 4th slab", ha="center", va="center",
             fontsize=8, color="#555555")
-    held = sum(t for t, _ in requests.values())
-    ax.set_title(f"contiguous, {slots} slots: one slab per request; {held} of {x} reserved slots "
+    held = sum(slab.num_tokens for slab in cache.slabs.values())
+    ax.set_title(f"contiguous, {slots} slots: one slab per request; {held} of "
+                 f"{sum(slab.size for slab in cache.slabs.values())} reserved slots "
                  "hold K/V (pale: reserved, no K/V yet)", fontsize=9)
     ax.set_xlim(0, slots)
     ax.set_ylim(0, 1)
@@ -330,12 +367,12 @@ def paged_memory():
     ax = axes[1]
     pool = BlockAllocator(num_blocks)
     manager = BlockSpaceManager(pool, block_size=block_size)
-    for name, (tokens, _) in requests.items():  # interleaved arrivals: tables are scattered
+    for name, tokens in requests.items():  # interleaved arrivals: tables are scattered
         manager.allocate(name, list(range(min(tokens, block_size))))
-    for name, (tokens, _) in requests.items():
+    for name, tokens in requests.items():
         for _ in range(tokens - min(tokens, block_size)):
             manager.append_slot(name)
-    held = {block: (name, min(block_size, requests[name][0] - index * block_size))  # block: (owner, tokens in it)
+    held = {block: (name, min(block_size, requests[name] - index * block_size))  # block: (owner, tokens in it)
             for name in requests for index, block in enumerate(manager.get_block_table(name))}
     for block in range(pool.num_total_blocks):
         owner, filled = held.get(block, (None, 0))
@@ -427,51 +464,86 @@ def speculative_step():
 
 
 DECODE_CONTEXT = 512  # tokens per request in stage 0's decode figure: about a ShareGPT request (161 + 338)
+# Its words, in English and in Chinese (decode_throughput.zh.svg: the Chinese site shows it in its place).
+DECODE_LABELS = {
+    "en": {"does_not_fit": "does not fit: {context}-token requests need more\nK/V than the {budget} GiB left after "
+                           "the weights",
+           "curve": "batch ÷ step time; step = ({weights:.0f} GB of weights + batch × K/V) ÷ {bandwidth:,} GB/s",
+           "ceiling": "ceiling {ceiling:,.0f} tokens/s: K/V alone",
+           "bend": "bend at {bend:.0f}: K/V read = weights read\n{tokens:,.0f} tokens/s",
+           "layouts": ("contiguous, max", "paged"),
+           "point": "{name}: {batch} requests\n{tokens:,.0f} tokens/s, {ms:.1f} ms a step",
+           "xlabel": "requests decoding together ({context} tokens of context each)",
+           "ylabel": "tokens/s, at most"},
+    "zh": {"does_not_fit": "装不下：{context} token 的请求需要的 K/V\n超过权重之外剩下的 {budget} GiB",
+           "curve": "batch ÷ 每步时间；每步 = ({weights:.0f} GB 权重 + batch × K/V) ÷ {bandwidth:,} GB/s",
+           "ceiling": "上限 {ceiling:,.0f} tokens/s：只读 K/V",
+           "bend": "拐点 {bend:.0f}：读 K/V = 读权重\n{tokens:,.0f} tokens/s",
+           "layouts": ("连续 slab（max）", "分页"),
+           "point": "{name}：{batch} 个请求\n{tokens:,.0f} tokens/s，每步 {ms:.1f} ms",
+           "xlabel": "同时 decode 的请求数（每个请求 {context} token 上下文）",
+           "ylabel": "tokens/s 上界"},
+}
 
 
 def decode_throughput():
+    """Stage 0's decode figure, in English and, where the Chinese font is installed, in Chinese."""
+    _decode_throughput("en")
+    family = cjk_font()
+    if family is None:
+        print(f"no {CJK_FAMILY} here: decode_throughput.zh.svg left as it is")
+        return
+    with plt.rc_context({"font.family": ["DejaVu Sans", family, "sans-serif"]}):
+        _decode_throughput("zh")
+
+
+def _decode_throughput(language):
     """Stage 0: OPT-13B's decode bound on an A100-40GB against the batch, and the batches its memory holds."""
+    words = DECODE_LABELS[language]
     bend = decode_bend(DECODE_CONTEXT)
     curve = [decode_bound(b, DECODE_CONTEXT) for b in range(1, 2 * round(bend) + 1)]
     ceiling = decode_bound(1, DECODE_CONTEXT, weight_bytes=0).tokens_per_s  # were the weights free to read
-    fits = {"contiguous, max": requests_that_fit(DECODE_CONTEXT, "max"),
-            "paged": requests_that_fit(DECODE_CONTEXT, "paged")}
+    fits = {"max": requests_that_fit(DECODE_CONTEXT, "max"), "paged": requests_that_fit(DECODE_CONTEXT, "paged")}
     fig, ax = plt.subplots(figsize=(7.2, 3.3), layout="constrained")
     top = 1.12 * ceiling
     ax.axvspan(fits["paged"] + 0.5, curve[-1].batch, color=OWNER_COLORS[None], zorder=0)
     ax.text(0.72 * curve[-1].batch, 0.03 * top,
-            f"does not fit: {DECODE_CONTEXT}-token requests need more\nK/V than the {OPT_13B_KV_BUDGET // 2**30} GiB "
-            "left after the weights", ha="center", va="bottom", fontsize=9, color="#555555")
+            words["does_not_fit"].format(context=DECODE_CONTEXT, budget=OPT_13B_KV_BUDGET // 2**30),
+            ha="center", va="bottom", fontsize=9, color="#555555")
     ax.plot([c.batch for c in curve], [c.tokens_per_s for c in curve], color=OWNER_COLORS["A"], lw=2,
-            label=f"batch ÷ step time; step = ({OPT_13B_WEIGHT_BYTES / 1e9:.0f} GB of weights + batch × K/V) "
-                  f"÷ {GPUS['A100-40GB'][0]:,} GB/s")
+            label=words["curve"].format(weights=OPT_13B_WEIGHT_BYTES / 1e9, bandwidth=GPUS["A100-40GB"][0]))
     ax.axhline(ceiling, color="#333333", lw=0.8, ls="--")
-    ax.text(1, ceiling, f"ceiling {ceiling:,.0f} tokens/s: K/V alone", va="bottom", fontsize=9)
+    ax.text(1, ceiling, words["ceiling"].format(ceiling=ceiling), va="bottom", fontsize=9)
     at_bend = decode_bound(round(bend), DECODE_CONTEXT)
     ax.plot([at_bend.batch], [at_bend.tokens_per_s], "o", color="#333333", ms=5)
-    ax.annotate(f"bend at {bend:.0f}: K/V read = weights read\n{at_bend.tokens_per_s:,.0f} tokens/s",
+    ax.annotate(words["bend"].format(bend=bend, tokens=at_bend.tokens_per_s),
                 (at_bend.batch, at_bend.tokens_per_s), xytext=(10, -6), textcoords="offset points", va="top",
                 fontsize=9)
-    for (name, batch), color in zip(fits.items(), (OWNER_COLORS["B"], OWNER_COLORS["C"]), strict=True):
+    for name, batch, color in zip(words["layouts"], fits.values(), (OWNER_COLORS["B"], OWNER_COLORS["C"]),
+                                  strict=True):
         point = decode_bound(batch, DECODE_CONTEXT)
         ax.plot([batch, batch], [0, point.tokens_per_s], color=color, lw=1.2, ls=":")
         ax.plot([batch], [point.tokens_per_s], "o", color=color, ms=7)
-        ax.annotate(f"{name}: {batch} requests\n{point.tokens_per_s:,.0f} tokens/s, {1e3 * point.step_s:.1f} ms a step",
+        ax.annotate(words["point"].format(name=name, batch=batch, tokens=point.tokens_per_s, ms=1e3 * point.step_s),
                     (batch, point.tokens_per_s), xytext=(9, -4), textcoords="offset points", va="top", fontsize=9,
                     color=color)
     ax.set_xlim(0, curve[-1].batch)
     ax.set_ylim(0, top)
-    ax.set_xlabel(f"requests decoding together ({DECODE_CONTEXT} tokens of context each)", fontsize=10)
-    ax.set_ylabel("tokens/s, at most", fontsize=10)
+    ax.set_xlabel(words["xlabel"].format(context=DECODE_CONTEXT), fontsize=10)
+    ax.set_ylabel(words["ylabel"], fontsize=10)
     ax.tick_params(labelsize=9.5)
     ax.legend(loc="upper left", bbox_to_anchor=(0, 0.93), fontsize=9, frameon=False)
-    _save(fig, "decode_throughput.svg")
+    _save(fig, "decode_throughput.svg" if language == "en" else f"decode_throughput.{language}.svg")
+
+
+# Every figure, in the order ``main`` draws them; each writes docs/figures/<its name>.svg (and its translations).
+FIGURES = (paged_memory, contiguous_waste, decode_throughput, block_pool, block_table, copy_on_write, gather,
+           split_kv, schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
+           speculative_step)
 
 
 def main():
-    for draw in (paged_memory, contiguous_waste, decode_throughput, block_pool, block_table, copy_on_write, gather,
-                 split_kv, schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
-                 speculative_step):
+    for draw in FIGURES:
         draw()
     print(f"wrote {len(list(OUT.glob('*.svg')))} figures to {OUT.relative_to(ROOT)}")
 

@@ -4,8 +4,8 @@
 A100-40GB if it only read its bytes (the weights once, every request's K/V once) at peak
 bandwidth; ``requests_that_fit`` counts, with the real caches, how many requests of a length the
 paper's 12 GiB of KV cache hold. The numbers stage 0's page quotes, in both languages, and its
-figure are computed here; so is the claim of the home page's figure that both halves are the
-same memory.
+figure (in English, and in Chinese for the Chinese site) are computed here; so is the claim of
+the home page's figure that both halves are the same memory.
 """
 
 from __future__ import annotations
@@ -115,14 +115,29 @@ def test_stage0_quotes_the_computed_bound(page):
     assert not missing, f"{page} does not quote {missing}"
 
 
-def test_stage0_figure_marks_the_batches_that_fit():
-    svg = (DOCS / "figures" / "decode_throughput.svg").read_text(encoding="utf-8")
-    assert f"({CONTEXT} tokens of context each)" in svg
-    for layout, label in (("max", "contiguous, max"), ("paged", "paged")):
+# The figure's words around its numbers, in each language; tests/test_doc_figures.py holds the
+# committed figures to what scripts/doc_figures.py draws, curve included.
+FIGURE_WORDS = {
+    "decode_throughput.svg": ("({context} tokens of context each)", {"max": "contiguous, max: {batch} requests",
+                                                                     "paged": "paged: {batch} requests"},
+                              "bend at {bend:.0f}"),
+    "decode_throughput.zh.svg": ("（每个请求 {context} token 上下文）", {"max": "连续 slab（max）：{batch} 个请求",
+                                                                  "paged": "分页：{batch} 个请求"}, "拐点 {bend:.0f}"),
+}
+
+
+@pytest.mark.parametrize("figure", sorted(FIGURE_WORDS))
+def test_stage0_figure_marks_the_batches_that_fit(figure):
+    svg = (DOCS / "figures" / figure).read_text(encoding="utf-8")
+    context, layouts, bend = FIGURE_WORDS[figure]
+    assert context.format(context=CONTEXT) in svg
+    for layout, label in layouts.items():
         batch = requests_that_fit(CONTEXT, layout)
-        assert f"{label}: {batch} requests" in svg
-        assert f"{decode_bound(batch, CONTEXT).tokens_per_s:,.0f} tokens/s" in svg
-    assert f"bend at {decode_bend(CONTEXT):.0f}" in svg
+        assert label.format(batch=batch) in svg
+        point = decode_bound(batch, CONTEXT)
+        assert f"{point.tokens_per_s:,.0f} tokens/s" in svg and f"{1e3 * point.step_s:.1f} ms" in svg
+    assert bend.format(bend=decode_bend(CONTEXT)) in svg
+    assert f"{decode_bound(1, CONTEXT, weight_bytes=0).tokens_per_s:,.0f} tokens/s" in svg  # the ceiling
 
 
 def test_home_page_figure_draws_both_layouts_in_the_same_memory():

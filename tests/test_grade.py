@@ -17,28 +17,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from minipaged.learn.exercise import REPO_DIR, _digest, make_workspace, stage_files
+from minipaged.learn.exercise import REPO_DIR, WORKSPACE_MARK, _digest, _workspace_files, make_workspace, stage_files
 from minipaged.learn.grade import (
     RUBRIC,
     SCHEMA,
     Rubric,
+    _harness,
+    _outcome,
+    format_rubric,
     grade_report,
+    integrity,
+    run_tests,
     scan_source,
     write_results,
 )
+from minipaged.learn.pytest_report import _foreign_modules
 
 pytestmark = pytest.mark.common
 
 CLI = [sys.executable, "-m", "minipaged.cli", "grade"]
 (ALLOCATOR,) = stage_files()[1]
-PAGE = REPO_DIR / "docs" / "exercises" / "teachers.md"
+EXERCISES = REPO_DIR / "docs" / "exercises"
+PAGE, PAGE_ZH = EXERCISES / "teachers.md", EXERCISES / "teachers.zh.md"
 DOUBLE_FREE = ("        if self._is_free[block_id]:\n            raise ValueError(",
                "        if False:\n            raise ValueError(")  # a learner's allocator that accepts a double free
 
 
-def _page_block(language: str, first_line: str) -> str:
+def _page_block(language: str, first_line: str, page: Path = PAGE) -> str:
     """The page's code block in ``language`` whose first line is ``first_line``."""
-    blocks = re.findall(rf"```{language}\n(.*?)```", PAGE.read_text(), re.S)
+    blocks = re.findall(rf"```{language}\n(.*?)```", page.read_text(), re.S)
     return next(block for block in blocks if block.startswith(first_line))
 
 
@@ -82,7 +89,8 @@ def test_the_report_gives_points_per_test_and_per_stage(graded):
     report = graded["report"]
     (row,) = report["stages"]
     tests = row["tests"]
-    assert row["stage"] == 1 and row["points"] == RUBRIC.points[1] == report["max_score"]
+    assert row["stage"] == 1 and row["points"] == RUBRIC.points[1] == report["points"]
+    assert report["max_score"] == row["max_points"] == round(row["points"] - row["blocked_points"], 4)
     assert row["passed"] + row["failed"] + row["skipped"] + row["blocked"] == len(tests)
     assert 0 < row["passed"] and 0 < row["failed"] and row["status"] == "in progress"
     assert {t["points"] for t in tests} == {round(RUBRIC.points[1] / len(tests), 4)}  # equal weights
@@ -111,6 +119,7 @@ def test_a_test_that_needs_a_gpu_is_blocked_on_a_cpu_never_zero(graded):
     else:
         assert gpu["status"] == "blocked" and row["blocked"] == 1 and report["blocked_points"] == gpu["points"] > 0
         assert report["environment"]["gpus"] == []
+        assert row["max_points"] == round(row["points"] - gpu["points"], 4)  # held back: out of the maximum
 
 
 def test_the_report_names_the_graded_files_and_the_machine(graded):
@@ -125,11 +134,21 @@ def test_the_report_names_the_graded_files_and_the_machine(graded):
     assert report["refused"] == [] and report["checked"]["tests_unchanged"]
 
 
+GRADESCOPE_STATUS = {"passed", "failed"}  # what Gradescope's results.json allows
+GRADESCOPE_VISIBILITY = {"visible", "hidden", "after_due_date", "after_published"}
+
+
 def test_results_json_is_gradescopes_format(graded):
     report, results = graded["report"], graded["results"]
     assert results["score"] == report["score"] and results["extra_data"]["schema"] == SCHEMA
+    assert results["extra_data"]["max_score"] == report["max_score"]
+    assert {results["visibility"], results["stdout_visibility"]} <= GRADESCOPE_VISIBILITY
+    assert all(t.get("status", "passed") in GRADESCOPE_STATUS and t["visibility"] in GRADESCOPE_VISIBILITY
+               for t in results["tests"])
+    assert results["score"] == pytest.approx(sum(t["score"] for t in results["tests"]), abs=1e-3)
+    assert report["max_score"] == pytest.approx(sum(t["max_score"] for t in results["tests"]), abs=1e-3)
     tests = {t["name"]: t for t in results["tests"]}
-    assert set(tests) == set(_tests(report))
+    assert set(tests) == set(_tests(report)) and len(tests) == len(results["tests"])  # one entry per test
     for name, test in _tests(report).items():
         entry = tests[name]
         if test["status"] == "blocked":
@@ -181,6 +200,9 @@ SHORTCUTS = {
     "test-file": ("TESTS = 'tests/test_stage1_block_allocator.py'\n", "reads-tests"),
     "pytest": ("import pytest\n", "reads-tests"),
     "frames": ("import inspect\n", "reads-tests"),
+    "grader": ("from minipaged.learn import pytest_report\n", "reads-tests"),
+    "grader-relative": ("from . import learn\n", "reads-tests"),
+    "grader-plugin": ("import minipaged_grade_plugin\n", "reads-tests"),
 }
 
 
@@ -258,12 +280,15 @@ def test_results_are_written_only_over_a_previous_results_file(tmp_path):
         write_results(tmp_path, {"schema": SCHEMA}, force=True)  # never a folder
 
 
-def test_the_pages_example_is_what_the_grader_prints(graded):
-    """The page's JSON is a run of its own commands (its list of tests cut short): the same fields,
+@pytest.mark.parametrize("page", [PAGE, PAGE_ZH], ids=lambda page: page.name)
+def test_the_pages_example_is_what_the_grader_prints(page, graded):
+    """Each page's JSON is a run of its own commands (its list of tests cut short): the same fields,
     points, outcomes and digests."""
     if torch.cuda.is_available():
         pytest.skip("the page's example ran on a machine without a GPU")
-    example = json.loads(_page_block("json", "{"))
+    example = json.loads(_page_block("json", "{", page))
+    assert _page_block("python", "# private/test_allocator_private.py", page) == _page_block(
+        "python", "# private/test_allocator_private.py")  # the tests it was graded with
     report = graded["report"]
     assert set(example) == set(report) and set(example["environment"]) == set(report["environment"])
     (shown,), (row,) = example["stages"], report["stages"]
@@ -278,3 +303,196 @@ def test_the_pages_example_is_what_the_grader_prints(graded):
         assert example[key] == report[key], key
     assert example["files"].keys() == report["files"].keys()  # the digests change with the stage's file
     assert all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in example["files"].values())
+
+
+# --- the rubric and the exercises' stars -------------------------------------------------------
+
+STAR_ROW = re.compile(r"^\| \[(\d+) · [^\]\n]*\]\(stage(\d+)\.md\) \|[^|\n]*\| (★*)☆* \|", re.M)
+
+
+@pytest.mark.parametrize("page", ["index.md", "index.zh.md"])
+def test_the_rubric_gives_five_points_per_star_of_the_exercises_table(page):
+    rows = STAR_ROW.findall((EXERCISES / page).read_text())
+    assert all(number == link for number, link, _ in rows)
+    stars = {int(number): len(full) for number, _, full in rows}
+    assert len(stars) == len(rows) and stars.keys() == set(stage_files()) == RUBRIC.points.keys()
+    assert {stage: 5 * n for stage, n in stars.items()} == RUBRIC.points
+
+
+def test_the_rubric_prints_each_tests_points_as_its_json_gives_them(tmp_path):
+    workspace = _workspace(tmp_path)
+    shown = subprocess.run([*CLI, str(workspace), "--stage", "1", "--rubric", "--json"], capture_output=True, text=True)
+    text = subprocess.run([*CLI, str(workspace), "--stage", "1", "--rubric"], capture_output=True, text=True)
+    assert shown.returncode == text.returncode == 0, shown.stderr + text.stderr
+    rubric, lines = json.loads(shown.stdout), text.stdout.splitlines()
+    (row,) = rubric["stages"]
+    assert float(re.match(r"rubric: ([\d.]+) points", lines[0])[1]) == rubric["total"] == sum(RUBRIC.points.values())
+    stage = [re.fullmatch(r"stage (\d+): ([\d.]+) points, (\d+) tests", line) for line in lines]
+    assert [(int(m[1]), float(m[2]), int(m[3])) for m in stage if m] == [(1, RUBRIC.points[1], len(row["tests"]))]
+    printed = [re.fullmatch(r" +([\d.]+)  (\S+)( \(extra\))?", line) for line in lines]
+    assert {m[2]: float(m[1]) for m in printed if m} == {t["id"]: t["points"] for t in row["tests"]}
+    assert format_rubric({"rubric": rubric, "stages": rubric["stages"]}) == text.stdout.rstrip("\n")
+
+
+# --- what the grader trusts: its own copy, never the learner's -----------------------------------
+
+def _edit(path: Path) -> None:
+    path.write_text(path.read_text().replace("assert ", "assert True or ", 1) + "\n# edited\n")
+
+
+def test_a_rewritten_list_of_files_does_not_hide_an_edited_test(tmp_path):
+    """The workspace's marker lists the files with their digests; a learner can rewrite it."""
+    workspace = _workspace(tmp_path, ALLOCATOR.read_text())
+    _edit(workspace / "tests" / "test_stage1_block_allocator.py")
+    first = (workspace / WORKSPACE_MARK).read_text().splitlines()[0]
+    listed = [f"{_digest(path)}  {name}" for name, path in _workspace_files(workspace).items()]
+    (workspace / WORKSPACE_MARK).write_text(first + "\n" + "\n".join(listed) + "\n")
+    report = grade_report(workspace, [1])
+    assert [(r["rule"], r["where"]) for r in report["refused"]] == [
+        ("tests-edited", "tests/test_stage1_block_allocator.py")]
+    assert report["score"] == 0 and report["stages"][0]["status"] == "refused"
+
+
+def test_a_folder_without_the_exercise_marker_is_refused(tmp_path):
+    workspace = _workspace(tmp_path, ALLOCATOR.read_text())
+    (workspace / WORKSPACE_MARK).unlink()
+    report = grade_report(workspace, [1])
+    assert [(r["rule"], r["where"]) for r in report["refused"]] == [("not-a-workspace", WORKSPACE_MARK)]
+    assert report["score"] == 0 and report["stages"][0]["status"] == "refused" and report["stages"][0]["tests"] == []
+
+
+def test_the_tests_run_with_the_graders_files_and_only_the_learners_stage_files(tmp_path):
+    """Whatever the workspace holds besides its stage files, the scratch copy holds the grader's."""
+    learners = ALLOCATOR.read_text().replace(*DOUBLE_FREE)
+    workspace = _workspace(tmp_path, learners)
+    theirs = ["conftest.py", "pyproject.toml", "tests/test_stage1_block_allocator.py", "tests/helpers_kv.py",
+              "minipaged/learn/grade.py", "minipaged/learn/pytest_report.py", "minipaged/__init__.py"]
+    for name in theirs:
+        _edit(workspace / name)
+    (table,) = stage_files()[2]
+    (workspace / "minipaged" / table.name).unlink()  # stays missing: the grader's own copy is a solution
+    into = tmp_path / "scratch"
+    into.mkdir()
+    assert _harness(workspace, None, into) == []
+    for name in theirs:
+        assert _digest(into / name) == _digest(REPO_DIR / name), name
+    assert (into / "minipaged" / ALLOCATOR.name).read_text() == learners
+    assert not (into / "minipaged" / table.name).exists()
+    assert not (into / "minipaged" / "learn" / "mutants.py").exists()  # it quotes every solution
+    refused, checked = integrity(workspace, [1])
+    assert sorted((r["rule"], r["where"]) for r in refused) == sorted(
+        [("tests-edited", name) for name in theirs if name != "minipaged/__init__.py"]
+        + [("not-a-workspace", f"minipaged/{table.name}")])
+    assert checked["not_run"] == ["minipaged/__init__.py"] and not checked["tests_unchanged"]
+    assert checked["files_read"] == [f"minipaged/{ALLOCATOR.name}"]
+
+
+def test_the_report_is_written_by_the_graders_plugin_not_the_folders(tmp_path):
+    workspace = _workspace(tmp_path, ALLOCATOR.read_text())
+    forged = ("import json, os\n\n\ndef pytest_sessionfinish(session):\n"
+              "    with open(os.environ['MINIPAGED_REPORT'], 'w') as f:\n"
+              "        json.dump({'forged.py::test': {'outcome': 'passed', 'stages': [1]}}, f)\n")
+    (workspace / "minipaged" / "learn" / "pytest_report.py").write_text(forged)
+    records = run_tests(workspace, "-m", "stage1", "--collect-only")
+    assert "forged.py::test" not in records
+    assert records and all(r["stages"] == [1] for r in records.values())
+    assert all(nodeid.startswith("tests/test_stage1_block_allocator.py::") for nodeid in records)
+
+
+def test_modules_loaded_from_the_reference_package_are_named():
+    reference = str(Path(json.__file__).parent) + "/"
+    found = _foreign_modules(reference, "/the/workspace/minipaged/")
+    assert "json" in {f["where"] for f in found} and {f["rule"] for f in found} == {"reference"}
+    assert all(sys.modules[f["where"]].__file__.startswith(reference) for f in found)
+    assert _foreign_modules(None, "/the/workspace/minipaged/") == []
+    assert _foreign_modules(str(tmp := REPO_DIR / "no-such-folder") + "/", str(tmp)) == []
+
+
+def test_a_teachers_test_with_the_name_of_a_public_one_is_refused(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "test_stage1_block_allocator.py").write_text("def test_nothing():\n    pass\n")
+    with pytest.raises(ValueError, match="rename it"):
+        grade_report(_workspace(tmp_path, ALLOCATOR.read_text()), [1], extra_tests=private)
+
+
+# --- blocked tests ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reason, record, gpus, status", [
+    ("Skipped: needs a CUDA device", {}, [], "blocked"),
+    ("Skipped: needs a CUDA device", {}, ["NVIDIA H200"], "skipped"),  # a GPU here: nothing is blocked by one
+    ("Skipped: this Triton build ships no ptxas", {}, [], "blocked"),
+    ("Skipped: this Triton build ships no ptxas", {}, ["NVIDIA H200"], "blocked"),  # a tool missing anywhere
+    ("Skipped: not a git checkout", {}, [], "skipped"),
+    ("Skipped: needs a CUDA device", {"skipped_in": f"minipaged/{ALLOCATOR.name}:9"}, [], "skipped"),
+])
+def test_a_skip_is_blocked_when_the_machine_lacks_what_the_test_needs(reason, record, gpus, status):
+    assert _outcome({"outcome": "skipped", "stages": [1], "reason": [reason], **record}, RUBRIC, gpus) == status
+
+
+SKIP_FROM_THE_PACKAGE = '''
+
+def _skip(reason):
+    """Raise pytest's own skip from a learner's file, as if the test had skipped itself."""
+    classes = [BaseException]
+    while classes:
+        cls = classes.pop()
+        if cls.__name__ == "Skipped":
+            raise cls(reason)
+        classes.extend(getattr(cls, "__subcl" + "asses__")())
+'''
+
+
+def test_a_skip_the_learners_code_raises_is_never_blocked(tmp_path):
+    """Blocked tests leave the maximum: a learner's code that skips a test, with the reason a GPU
+    test gives, must not turn its failure into a smaller maximum."""
+    source = ALLOCATOR.read_text().replace("\n\nclass ", SKIP_FROM_THE_PACKAGE + "\n\nclass ", 1)
+    source = source.replace('        check_int("num_blocks", num_blocks, 1)\n',
+                            '        check_int("num_blocks", num_blocks, 1)\n'
+                            '        if num_blocks == 4:\n            _skip("needs a CUDA device")\n', 1)
+    assert "_skip(" in source and scan_source(source, ALLOCATOR.name) == []  # the code alone does not show it
+    report = grade_report(_workspace(tmp_path, source), [1])
+    (row,) = report["stages"]
+    skipped = [t for t in row["tests"] if t["status"] not in ("passed", "failed")]
+    assert skipped and {t["status"] for t in skipped} == {"skipped"}
+    assert all(t["skipped_in"].startswith(f"minipaged/{ALLOCATOR.name}:") for t in skipped)
+    assert row["blocked"] == 0 and report["blocked_points"] == 0
+    assert report["max_score"] == RUBRIC.points[1] > report["score"]
+
+
+@pytest.fixture(scope="module")
+def perfect(tmp_path_factory, clean_workspace):
+    """The reference allocator graded with the teacher's tests, written with ``--format json``."""
+    tmp = tmp_path_factory.mktemp("perfect")
+    private = _teachers_tests(tmp / "private")
+    written = tmp / "report.json"
+    done = subprocess.run([*CLI, str(clean_workspace), "--stage", "1", "--tests", str(private), "--format", "json",
+                           "--output", str(written)], capture_output=True, text=True)
+    return {"done": done, "report": json.loads(written.read_text())}
+
+
+def test_a_perfect_submission_scores_full_marks_on_what_this_machine_runs(perfect):
+    report, done = perfect["report"], perfect["done"]
+    assert done.returncode == 0, done.stderr
+    (row,) = report["stages"]
+    assert row["status"] == "complete" and row["failed"] == row["skipped"] == 0
+    assert report["score"] == report["max_score"] == row["score"] == row["max_points"]
+    assert row["points"] == report["points"] == RUBRIC.points[1]
+    blocked = [t for t in row["tests"] if t["status"] == "blocked"]
+    assert row["blocked"] == len(blocked) == (0 if torch.cuda.is_available() else 1)
+    assert row["blocked_points"] == report["blocked_points"] == round(sum(t["points"] for t in blocked), 4)
+    assert row["max_points"] == round(row["points"] - row["blocked_points"], 4)
+    assert row["score"] == pytest.approx(sum(t["score"] for t in row["tests"]), abs=1e-3)
+
+
+def test_the_text_report_gives_the_points_of_the_json_one(perfect):
+    report, lines = perfect["report"], perfect["done"].stdout.splitlines()
+    assert report["schema"] == SCHEMA and "execution_time" in report  # --format json wrote the whole report
+    stages = [re.match(r"stage (\d+): ([\d.]+)/([\d.]+) points", line) for line in lines]
+    assert [(int(m[1]), float(m[2]), float(m[3])) for m in stages if m] == [
+        (row["stage"], row["score"], row["max_points"]) for row in report["stages"]]
+    (total,) = [m for line in lines if (m := re.match(r"score: ([\d.]+)/([\d.]+) points", line))]
+    assert (float(total[1]), float(total[2])) == (report["score"], report["max_score"])
+    held = [float(m[1]) for line in lines
+            if line.startswith("stage ") and (m := re.search(r"([\d.]+) held back", line))]
+    assert held == [row["blocked_points"] for row in report["stages"] if row["blocked"]]

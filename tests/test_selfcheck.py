@@ -130,6 +130,41 @@ def test_every_stage_page_ends_with_a_self_check_and_an_interview_answer():
                 assert bold_spans(page, index), f"{page.name}: {title!r} has no computed answer"
 
 
+# The interview section opens with the answer in brief, short enough to say in about twenty
+# seconds: at most two sentences, of at most 60 words, or in Chinese 90 spoken units (a
+# character, or a word or number in Latin letters, such as `block_size` or 2,048).
+IN_SHORT = {"en": ("## Explain it in an interview", "**In short:**", 60),
+            "zh": ("{#explain-it-in-an-interview}", "**简短版：**", 90)}
+
+
+def in_short(page: Path) -> tuple[str, list[str], int]:
+    """The page's answer in brief: its text, its sentences, and how many words (spoken units) it has."""
+    heading, label, _ = IN_SHORT["zh" if page.name.endswith(".zh.md") else "en"]
+    text = page.read_text(encoding="utf-8")
+    assert text.count(heading) == 1, f"{page.name}: one interview section"
+    section = text[text.index("\n", text.index(heading)):].lstrip("\n")
+    first = section[:section.find("\n\n")] if "\n\n" in section else section
+    assert first.startswith(label), f"{page.name}: its interview section opens with {label}"
+    brief = " ".join(first[len(label):].split())
+    if label == "**In short:**":
+        return brief, re.findall(r".+?[.!?](?=\s|$)", brief), len(brief.split())
+    units = re.findall(r"[\u4e00-\u9fff]|[A-Za-z0-9][\w./,+-]*", brief)
+    return brief, re.findall(r".+?[。！？]", brief), len(units)
+
+
+def test_every_stage_page_opens_its_interview_answer_with_a_short_one_in_both_languages():
+    english = sorted(p for p in STAGES.glob("*.md") if not p.name.endswith(".zh.md"))
+    assert len(english) == 13
+    for page in english:
+        translated = page.with_name(page.name.replace(".md", ".zh.md"))
+        for version, language in ((page, "en"), (translated, "zh")):
+            brief, sentences, words = in_short(version)
+            assert "".join(sentences).replace(" ", "") == brief.replace(" ", ""), f"{version.name}: whole sentences"
+            assert 1 <= len(sentences) <= 2, f"{version.name}: {len(sentences)} sentences"
+            assert 15 <= words <= IN_SHORT[language][2], f"{version.name}: {words} words"
+        assert re.search(r"[\u4e00-\u9fff]", in_short(translated)[0]), f"{translated.name} answers in Chinese"
+
+
 # Stage 0 ------------------------------------------------------------------------------------
 
 

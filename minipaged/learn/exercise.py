@@ -225,7 +225,10 @@ def _digest(path: Path) -> str:
 
 def workspace_manifest(out: Path) -> dict[str, str]:
     """The files ``exercise`` wrote into a workspace, by relative path, with their SHA-256
-    (empty for a folder that is no workspace, or one written before the list existed)."""
+    (empty for a folder that is no workspace, or one written before the list existed).
+
+    The learner's own record, which ``exercise --force`` reads to keep their work; it lies in
+    their folder, so the grader never trusts it (it compares with ``grader_files``)."""
     mark = Path(out) / WORKSPACE_MARK
     lines = mark.read_text().splitlines()[1:] if mark.is_file() else []
     return {name: digest for digest, name in (line.split("  ", 1) for line in lines if "  " in line)}
@@ -249,18 +252,40 @@ def workspace_changes(out: Path) -> list[str]:
     return changes
 
 
-def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) -> Path:
-    """Copy the package, the stage tests, the tutorials and the docs into ``out``: a workspace.
+TEST_FILES = ("test_stage", "conftest", "helpers")  # the tests a workspace holds: the stage tests and their help
+CONFIG_FILES = ("conftest.py", "pyproject.toml")  # pytest's configuration, beside the package
 
-    ``out`` must be missing or empty, or, with ``force``, a workspace that this tool wrote
-    and that holds no change of the learner's: nothing the learner wrote is ever deleted.
-    """
+
+def _tests_dir(repo_dir: Path) -> Path:
     tests_dir = repo_dir / "tests"
     if not tests_dir.is_dir():
         raise FileNotFoundError(
             f"the tests are not next to the package ({tests_dir}); run this from a clone "
             "of the minipaged repository"
         )
+    return tests_dir
+
+
+def grader_files(repo_dir: Path = REPO_DIR) -> dict[str, Path]:
+    """The files every workspace holds as ``exercise`` copies them from ``repo_dir``, by relative
+    path: the tests, pytest's configuration and the grader (``minipaged/learn/``). No learner
+    edits them; the grader checks a workspace's against these and runs these."""
+    tests_dir = _tests_dir(repo_dir)
+    files = {f"tests/{path.name}": path for path in sorted(tests_dir.glob("*.py")) if path.name.startswith(TEST_FILES)}
+    files |= {name: repo_dir / name for name in CONFIG_FILES}
+    learn = repo_dir / "minipaged" / "learn"
+    files |= {f"minipaged/learn/{name}": path for name, path in _workspace_files(learn).items()
+              if path.name not in ANSWER_FILES}
+    return files
+
+
+def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) -> Path:
+    """Copy the package, the stage tests, the tutorials and the docs into ``out``: a workspace.
+
+    ``out`` must be missing or empty, or, with ``force``, a workspace that this tool wrote
+    and that holds no change of the learner's: nothing the learner wrote is ever deleted.
+    """
+    tests_dir = _tests_dir(repo_dir)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
@@ -281,9 +306,9 @@ def copy_workspace(out: Path, repo_dir: Path = REPO_DIR, force: bool = False) ->
     shutil.copytree(repo_dir / "minipaged", out / "minipaged", ignore=package_ignore)
     (out / "tests").mkdir(parents=True)
     for path in tests_dir.glob("*.py"):
-        if path.name.startswith(("test_stage", "conftest", "helpers")):
+        if path.name.startswith(TEST_FILES):
             shutil.copy2(path, out / "tests" / path.name)
-    for name in ("conftest.py", "pyproject.toml"):
+    for name in CONFIG_FILES:
         shutil.copy2(repo_dir / name, out / name)
     for folder in ("tutorials", "docs"):  # what the stubs and the README point to
         if (repo_dir / folder).is_dir():

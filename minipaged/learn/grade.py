@@ -1,19 +1,22 @@
 """Grading a workspace: points per test and per stage, what was graded, where, and shortcuts refused.
 
-``grade_report(dir)`` copies what the tests need out of ``dir`` (the package, the tests, a
-teacher's extra tests beside them) into a scratch folder, runs the stage tests there and
-returns one JSON-ready dict: per stage, per test, its points and outcome; the SHA-256 of the
-files the learner edits; the machine and the versions; and the shortcuts that were refused.
-The learner's folder is only read.
+``grade_report(dir)`` builds a scratch folder from the grader's own copy of minipaged (the
+package it runs from, its tests, ``conftest.py`` and ``pyproject.toml``), puts the learner's
+stage files from ``dir`` in it, and a teacher's extra tests beside the public ones; it runs the
+stage tests there, with the grader's own report plugin, and returns one JSON-ready dict: per
+stage, per test, its points and outcome; the SHA-256 of the files the learner edits; the machine
+and the versions; and the shortcuts that were refused. The learner's stage files are the only
+code of theirs that runs; their folder is only read.
 
 The rubric, ``RUBRIC``, is the one place that gives points: each stage's, shared among its
-tests by weight. A test skipped because the machine has no GPU is *blocked*: its points are
-neither earned nor lost, and the stage is graded on what this machine can run.
+tests by weight. A test skipped because the machine lacks what it needs (a GPU, or a tool of
+the toolchain) is *blocked*: its points are held back, neither earned nor lost, and leave the
+maximum of this run; the stage is graded on what this machine can run.
 
-A submission is *refused*, with a reason and no points, when a file the learner edits loads
-code by hand or reads the installed minipaged (it must be the learner's own), when it reads
-the tests, or when the tests themselves (or the grader) were edited: the workspace's mark
-lists every file ``exercise`` wrote with its SHA-256.
+A submission is *refused*, with a reason and no points, when the folder holds no exercise
+marker, when a file the learner edits loads code by hand or reads the installed minipaged (it
+must be the learner's own), when it reads the tests or the grader, or when the tests (or
+pytest's configuration, or the grader) differ from the grader's own copy.
 """
 
 from __future__ import annotations
@@ -32,15 +35,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minipaged.learn.exercise import (
+    ANSWER_FILES,
     CACHES,
     PACKAGE_DIR,
+    REPO_DIR,
+    STAGE_FILE,
     WORKSPACE_MARK,
     _digest,
     _workspace_files,
     edited_stage,
     files_to_write,
+    grader_files,
     stage_files,
-    workspace_manifest,
 )
 
 SCHEMA = "minipaged-grade/1"  # in every report and results.json it writes: a previous one may be replaced
@@ -51,13 +57,17 @@ class Rubric:
     """How many points each stage is worth, and how its tests share them.
 
     A stage's points are shared by its tests in proportion to their weights; a test's weight is
-    that of the first pattern (``fnmatch``, on the test's node id) it matches, else 1. A skipped
-    test whose reason matches ``blocked`` needs hardware this machine lacks (a GPU): blocked.
+    that of the first pattern (``fnmatch``, on the test's node id) it matches, else 1.
+
+    A test the tests themselves skip (not the package's code) is *blocked* when its reason
+    matches ``blocked`` (it needs a GPU) on a machine with none, or matches ``tools`` (a tool of
+    the toolchain this machine's build lacks, such as Triton's ``ptxas``) on any machine.
     """
 
     points: dict[int, float]
     weights: tuple[tuple[str, float], ...] = ()
     blocked: str = r"\b(CUDA|GPU)\b"
+    tools: str = r"\bptxas\b"
 
     def weight(self, nodeid: str) -> float:
         return next((w for pattern, w in self.weights if fnmatch.fnmatchcase(nodeid, pattern)), 1.0)
@@ -71,7 +81,7 @@ class Rubric:
     def as_dict(self) -> dict:
         return {"points": {str(s): p for s, p in sorted(self.points.items())},
                 "weights": [{"match": pattern, "weight": w} for pattern, w in self.weights],
-                "blocked": self.blocked, "total": sum(self.points.values())}
+                "blocked": self.blocked, "tools": self.tools, "total": sum(self.points.values())}
 
 
 # Five points per star of the exercise's difficulty (docs/exercises/index.md): the one place
@@ -102,14 +112,24 @@ class StageResult:
         return "not started" if self.passed == 0 else "in progress"
 
 
+PLUGIN = "minipaged_grade_plugin"  # the name the grader loads its own pytest_report.py by
+
+
 def run_tests(directory: Path, *pytest_args: str, env: dict[str, str] | None = None) -> dict[str, dict]:
-    """Run pytest in ``directory``; return ``{nodeid: {"outcome", "stages", "reason"?}}``."""
+    """Run pytest in ``directory``; return ``{nodeid: {"outcome", "stages", "reason"?, "skipped_in"?}}``.
+
+    The report is written by the grader's own plugin: this package's ``pytest_report.py``, copied
+    out of ``directory`` and loaded as ``PLUGIN``, never a copy ``directory`` holds."""
     with tempfile.TemporaryDirectory() as tmp:
+        plugin = Path(tmp) / "plugin"
+        plugin.mkdir()
+        shutil.copy2(Path(__file__).with_name("pytest_report.py"), plugin / f"{PLUGIN}.py")
         report = Path(tmp) / "report.json"
         env = {**os.environ, **(env or {}), "MINIPAGED_REPORT": str(report)}
+        env["PYTHONPATH"] = os.pathsep.join([str(plugin), *filter(None, [env.get("PYTHONPATH")])])
         env.pop("PYTEST_ADDOPTS", None)
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake",
-                   "-p", "minipaged.learn.pytest_report", *pytest_args]  # no stage test runs a notebook
+                   "-p", PLUGIN, *pytest_args]  # no stage test runs a notebook
         subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
         if not report.exists():
             raise RuntimeError(f"pytest wrote no report in {directory}: is it a workspace?")
@@ -128,6 +148,7 @@ INSTALLED = re.compile(r"(site|dist)-packages")
 TEST_PATH = re.compile(r"(^|[\\/])tests([\\/]|$)|test_stage\d|conftest")
 PROTECTED_NAMES = ("conftest.py", "pyproject.toml", "pytest.ini", "tox.ini", "setup.cfg", "sitecustomize.py",
                    "usercustomize.py")
+GRADER = re.compile(rf"^(minipaged\.learn|{PLUGIN})(\.|$)")  # the grader's modules, its report plugin among them
 
 
 def _refusal(rule: str, where: str, reason: str) -> dict:
@@ -138,7 +159,8 @@ def scan_source(source: str, filename: str) -> list[dict]:
     """The shortcuts a learner's file takes, found in its code (docstrings and comments left out).
 
     ``reference``: it loads code by hand or locates a package's files (the installed minipaged);
-    ``reads-tests``: it imports the tests or pytest, names a test's file, or reads its callers' frames.
+    ``reads-tests``: it imports the tests, pytest or the grader, names a test's file, or reads its
+    callers' frames.
     """
     tree = ast.parse(source, filename)
     docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
@@ -158,6 +180,12 @@ def scan_source(source: str, filename: str) -> list[dict]:
                     add(node, "reads-tests", f"imports {name}: the tests are not the learner's to read")
                 elif root in FRAMES:
                     add(node, "reads-tests", f"imports {name}: its callers' frames hold the tests' expected values")
+            if isinstance(node, ast.ImportFrom):  # a learner's file is in minipaged/: ``from . import learn``
+                package = ".".join(filter(None, ["minipaged" if node.level else "", node.module or ""]))
+                names = [package, *(f"{package}.{alias.name}" for alias in node.names)]
+            grader = next((name for name in names if GRADER.match(name)), None)
+            if grader:
+                add(node, "reads-tests", f"imports {grader}: the grader is not the learner's to read")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOADING_CALLS:
             add(node, "reference", f"calls {node.func.id}(): it runs code that is not in the file")
         elif isinstance(node, ast.Attribute):
@@ -182,50 +210,73 @@ def _protected(name: str) -> bool:
             or name.endswith(".pth"))
 
 
+def _stage_names() -> list[str]:
+    """The names of the grader's stage files: the files of a workspace that are the learner's."""
+    return [path.name for paths in stage_files(PACKAGE_DIR).values() for path in paths]
+
+
 def integrity(directory: Path, stages: list[int]) -> tuple[list[dict], dict]:
     """The shortcuts found before any test runs, and what was checked.
 
-    Edited, added or deleted tests (or pytest's configuration, or the grader) need the
-    workspace's list of the files it was written with; without it they are not checked, and
-    the report says so. The learner's files are read for shortcuts: the graded stages' files,
-    and every other file of the package that was edited or added."""
+    The folder must hold the exercise marker and every stage file. Its tests, pytest's
+    configuration and the grader (``minipaged/learn/``) are compared with the grader's own copy
+    (``grader_files``), never with a list the folder holds: any file edited, added or deleted is
+    refused. The learner's files are read for shortcuts: the graded stages' files, and every other
+    stage file that differs from the grader's. Any other file of the package that differs from the
+    grader's is listed as not run: the tests run the grader's."""
     directory = Path(directory)
-    written = workspace_manifest(directory)
-    present = _workspace_files(directory)
     refused = []
-    for name in sorted(set(written) | set(present)):
-        if not _protected(name):
-            continue
+    if not (directory / WORKSPACE_MARK).is_file():
+        refused.append(_refusal("not-a-workspace", WORKSPACE_MARK,
+                                "no exercise marker: `minipaged exercise` did not write this folder"))
+    expected = grader_files(REPO_DIR)
+    present = _workspace_files(directory)
+    for name in sorted(set(expected) | {name for name in present if _protected(name)}):
         if name not in present:
             refused.append(_refusal("tests-edited", name, f"{name} was deleted"))
-        elif name not in written and written:
+        elif name not in expected:
             refused.append(_refusal("tests-edited", name, f"{name} was added"))
-        elif written and _digest(present[name]) != written[name]:
-            refused.append(_refusal("tests-edited", name, f"{name} was edited"))
-    files = stage_files(directory / "minipaged")
-    learners = {path.relative_to(directory).as_posix() for s in stages for path in files.get(s, [])}
-    learners |= {name for name, path in present.items() if name.startswith("minipaged/") and name.endswith(".py")
-                 and not _protected(name) and written and written.get(name) != _digest(path)}
+        elif _digest(present[name]) != _digest(expected[name]):
+            refused.append(_refusal("tests-edited", name, f"{name} was edited: it differs from the grader's"))
+    mine = {f"minipaged/{name}" for name in _stage_names()}
+    for name in sorted(mine - set(present)):
+        refused.append(_refusal("not-a-workspace", name, f"{name} is missing"))
+
+    def edited(name: str) -> bool:
+        return not (REPO_DIR / name).is_file() or _digest(REPO_DIR / name) != _digest(present[name])
+
+    graded = {f"minipaged/{path.name}" for s in stages for path in stage_files(PACKAGE_DIR).get(s, [])}
+    learners = {name for name in mine & set(present) if name in graded or edited(name)}
     for name in sorted(learners):
         refused.extend(scan_source((directory / name).read_text(), name))
-    checked = {"tests_unchanged": bool(written), "files_read": sorted(learners)}
-    if not written:
-        checked["note"] = "no list of the files the workspace was written with: the tests were not checked"
+    not_run = sorted(name for name in present if name.startswith("minipaged/") and name not in mine
+                     and not _protected(name) and edited(name))
+    checked = {"against": str(REPO_DIR), "tests_unchanged": not any(r["rule"] == "tests-edited" for r in refused),
+               "files_read": sorted(learners), "not_run": not_run}
     return refused, checked
 
 
 # --- the run ---------------------------------------------------------------------------------
 
 def _harness(directory: Path, extra: Path | None, into: Path) -> list[str]:
-    """Copy what the tests need into ``into``, a teacher's tests into its ``tests/``; return
-    the teacher's test files as ``tests/...`` names. A teacher's file never replaces a public one."""
-    ignore = shutil.ignore_patterns(*CACHES, "*.pyc")
-    for name in ("minipaged", "tests"):
-        if (directory / name).is_dir():
-            shutil.copytree(directory / name, into / name, ignore=ignore)
-    for name in ("conftest.py", "pyproject.toml", WORKSPACE_MARK):
-        if (directory / name).is_file():
-            shutil.copy2(directory / name, into / name)
+    """Build the scratch copy in ``into``: the grader's package (its answer files left out), tests,
+    ``conftest.py`` and ``pyproject.toml``; the learner's stage files from ``directory``; a
+    teacher's tests in its ``tests/``. Return the teacher's test files as ``tests/...`` names. A
+    teacher's file never replaces a public one."""
+    skip = shutil.ignore_patterns(*CACHES, "*.pyc", *ANSWER_FILES)
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        stages = {name for name in names if STAGE_FILE.match(name)} if Path(folder) == PACKAGE_DIR else set()
+        return set(skip(folder, names)) | stages  # never the grader's solutions
+
+    shutil.copytree(PACKAGE_DIR, into / "minipaged", ignore=ignore)
+    for name, path in grader_files(REPO_DIR).items():
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, into / name)
+    for name in _stage_names():
+        if (directory / "minipaged" / name).is_file():
+            shutil.copy2(directory / "minipaged" / name, into / "minipaged" / name)
+    (into / WORKSPACE_MARK).write_text("workspace\n")  # the tests draw the same examples as in a workspace
     names = []
     for name, path in (_workspace_files(extra) if extra else {}).items():
         target = into / "tests" / name
@@ -238,8 +289,13 @@ def _harness(directory: Path, extra: Path | None, into: Path) -> list[str]:
 
 
 def _outcome(record: dict, rubric: Rubric, gpus: list) -> str:
+    """A test's status: its outcome, or ``blocked`` for a skip of the tests' own (not raised through
+    the package's code) that names a GPU, on a machine without one, or a tool of the toolchain."""
     reasons = record.get("reason", [])
-    if record["outcome"] == "skipped" and not gpus and any(re.search(rubric.blocked, r) for r in reasons):
+    if record["outcome"] != "skipped" or record.get("skipped_in"):
+        return record["outcome"]
+    if any(re.search(rubric.tools, r) for r in reasons) or (not gpus and any(re.search(rubric.blocked, r)
+                                                                             for r in reasons)):
         return "blocked"
     return record["outcome"]
 
@@ -264,7 +320,7 @@ def grade_report(directory: Path, stages: list[int] | None = None, extra_tests: 
         raise FileNotFoundError(f"{directory} holds no minipaged package: is it a workspace?")
     if extra_tests is not None and not Path(extra_tests).is_dir():
         raise FileNotFoundError(f"no folder of tests at {extra_tests}")
-    selected = sorted(stages) if stages else sorted(stage_files(directory / "minipaged"))
+    selected = sorted(stages) if stages else sorted(stage_files(PACKAGE_DIR))
     started = time.monotonic()
     refused, checked = integrity(directory, selected)
     report: dict = {"schema": SCHEMA, "directory": str(directory), "workspace_stage": edited_stage(directory),
@@ -303,20 +359,23 @@ def _stages(records: dict[str, dict], selected: list[int], rubric: Rubric, extra
             tests.append({"id": nodeid, "source": "extra" if nodeid.split("::")[0] in extra else "public",
                           "status": status, "weight": rubric.weight(nodeid), "points": points[nodeid],
                           "score": points[nodeid] if status == "passed" else 0.0,
-                          **({"reason": record["reason"]} if record.get("reason") and not collect_only else {})})
+                          **({"reason": record["reason"]} if record.get("reason") and not collect_only else {}),
+                          **({"skipped_in": record["skipped_in"]} if record.get("skipped_in") else {})})
         rows.append({"stage": stage, "tests": tests})
     return rows
 
 
 def _score(report: dict, selected: list[int], rubric: Rubric) -> None:
-    """Each stage's score and status, and the total; a refused submission scores nothing."""
+    """Each stage's score and status, and the total; a refused submission scores nothing.
+
+    ``points``: the stage's in the rubric; ``blocked_points``: its blocked tests' share, held back;
+    ``max_points``: the rest, what this machine could award; ``score``: the passed tests' share."""
     refused = bool(report["refused"])
     by_stage = {row["stage"]: row for row in report["stages"]}
     for stage in selected:
         row = by_stage.setdefault(stage, {"stage": stage, "tests": []})
         tests = row["tests"]
         counts = {s: sum(t["status"] == s for t in tests) for s in ("passed", "failed", "skipped", "blocked")}
-        blocked = round(sum(t["points"] for t in tests if t["status"] == "blocked"), 4)
         worth = rubric.points.get(stage, 0.0)
         if refused:
             status = "refused"
@@ -328,13 +387,16 @@ def _score(report: dict, selected: list[int], rubric: Rubric) -> None:
             status = "complete" if counts["passed"] else "blocked"
         else:
             status = "not started" if counts["passed"] == 0 else "in progress"
-        weights = sum(t["weight"] for t in tests)
-        earned = worth * sum(t["weight"] for t in tests if t["score"]) / weights if weights else 0.0
-        row.update({"points": worth, "score": round(earned, 4), "blocked_points": blocked,
-                    "status": status, **counts})
+        weights = {s: sum(t["weight"] for t in tests if t["status"] == s) for s in ("passed", "blocked")}
+        total = sum(t["weight"] for t in tests)
+        earned, blocked = (worth * weights[s] / total if total else 0.0 for s in ("passed", "blocked"))
+        earned = 0.0 if refused else earned
+        row.update({"points": worth, "max_points": round(worth - blocked, 4), "blocked_points": round(blocked, 4),
+                    "score": round(earned, 4), "status": status, **counts})
     report["stages"] = [by_stage[s] for s in selected]
     report["score"] = round(sum(row["score"] for row in report["stages"]), 4)
-    report["max_score"] = round(sum(row["points"] for row in report["stages"]), 4)
+    report["max_score"] = round(sum(row["max_points"] for row in report["stages"]), 4)
+    report["points"] = round(sum(row["points"] for row in report["stages"]), 4)
     report["blocked_points"] = round(sum(row["blocked_points"] for row in report["stages"]), 4)
 
 
@@ -382,29 +444,34 @@ def format_grades(rows: list[StageResult], edited: int | None = None, show: int 
 
 
 def _points(x: float) -> str:
-    return f"{x:g}"
+    """Points as the report gives them (four decimals at most), without trailing zeros."""
+    return f"{x:.4f}".rstrip("0").rstrip(".")
 
 
 def format_report(report: dict) -> str:
-    """The grade table, then the points, what is blocked on this machine, and any refusal."""
+    """The grade table, then the points out of what this machine can award, what is held back
+    for blocked tests, and any refusal."""
     lines = [format_grades(rows(report), report["workspace_stage"])] if not report["refused"] else []
     for row in report["stages"]:
-        blocked = f", {row['blocked']} tests ({_points(row['blocked_points'])} points) blocked: no GPU here" \
-            if row["blocked"] else ""
-        lines.append(f"stage {row['stage']}: {_points(row['score'])}/{_points(row['points'])} points{blocked}")
-    lines.append(f"score: {_points(report['score'])}/{_points(report['max_score'])} points")
+        held = (f" ({_points(row['blocked_points'])} held back of its {_points(row['points'])}: {row['blocked']} "
+                "blocked, for want of a GPU or a tool here)") if row["blocked"] else ""
+        lines.append(f"stage {row['stage']}: {_points(row['score'])}/{_points(row['max_points'])} points{held}")
+    held = f" ({_points(report['blocked_points'])} held back: grade again where the blocked tests run)" \
+        if report["blocked_points"] else ""
+    lines.append(f"score: {_points(report['score'])}/{_points(report['max_score'])} points{held}")
     if report["refused"]:
         lines.append("refused, no points:")
         lines.extend(f"  {r['where']}: {r['reason']}" for r in report["refused"])
-    if report["checked"].get("note"):
-        lines.append(f"note: {report['checked']['note']}")
+    if report["checked"].get("not_run"):
+        lines.append("not run (the grader's copy ran instead): " + ", ".join(report["checked"]["not_run"]))
     return "\n".join(lines)
 
 
 def format_rubric(report: dict) -> str:
     """The rubric: each stage's points, and each test's share as collected in the workspace."""
     lines = [f"rubric: {_points(report['rubric']['total'])} points; tests skipped for want of a GPU "
-             f"(reason matching {report['rubric']['blocked']!r}) are blocked, not failed"]
+             f"(reason matching {report['rubric']['blocked']!r}) or of a tool ({report['rubric']['tools']!r}) "
+             "are blocked: held back, not failed"]
     lines.extend(f"  weight {w['weight']:g}: {w['match']}" for w in report["rubric"]["weights"])
     for row in report["stages"]:
         lines.append(f"stage {row['stage']}: {_points(row['points'])} points, {len(row['tests'])} tests")
@@ -414,17 +481,20 @@ def format_rubric(report: dict) -> str:
 
 
 def gradescope_results(report: dict, hidden: str = "after_published") -> dict:
-    """The report as Gradescope's ``results.json``: one test per rule, with its points.
+    """The report as Gradescope's ``results.json``: one entry per test, with its points.
 
-    A blocked test is worth 0 of 0 here (its points are held back, not lost) and says so; a
-    teacher's extra tests are shown with ``hidden`` visibility, the public ones at once."""
+    A blocked test is 0 of 0 here (its points are held back, not lost, and out of the maximum) and
+    has no ``status``: Gradescope knows only ``passed`` and ``failed``, and it is neither; its
+    output and its tags say blocked. A teacher's extra tests are shown with ``hidden`` visibility,
+    the public ones at once. The top-level ``score`` is the report's, out of its ``max_score``."""
     tests = []
     for row in report["stages"]:
         for number, test in enumerate(row["tests"], start=1):
             blocked = test["status"] == "blocked"
             output = "\n".join(test.get("reason", []))
             if blocked:
-                output = f"blocked: needs a GPU this machine lacks; its {_points(test['points'])} points are held back"
+                output = (f"blocked: needs a GPU or a tool this machine lacks; its {_points(test['points'])} points "
+                          "are held back, out of the maximum")
             entry = {"name": test["id"], "number": f"{row['stage']}.{number}",
                      "score": 0.0 if blocked else test["score"], "max_score": 0.0 if blocked else test["points"],
                      "output": output, "tags": [f"stage{row['stage']}", test["source"], test["status"]],
@@ -436,7 +506,7 @@ def gradescope_results(report: dict, hidden: str = "after_published") -> dict:
     return {"score": report["score"], "execution_time": report["execution_time"], "output": summary,
             "visibility": "visible", "stdout_visibility": "hidden", "tests": tests,
             "extra_data": {"schema": SCHEMA, **{key: report[key] for key in (
-                "max_score", "blocked_points", "refused", "files", "extra_tests", "environment")}}}
+                "max_score", "points", "blocked_points", "refused", "files", "extra_tests", "environment")}}}
 
 
 def is_previous_results(path: Path) -> bool:

@@ -12,7 +12,7 @@ specification: ``minipaged mutants`` exits non-zero and names it.
 
 from __future__ import annotations
 
-import atexit
+import gc
 import multiprocessing
 import os
 import queue
@@ -525,10 +525,10 @@ def _pytest_in_workspace(workspace: str, args: list[str], log: str) -> None:
     import pytest
 
     code = pytest.main(args)
-    atexit._run_exitfuncs()  # what an interpreter's exit runs (engines' finalizers stop their workers)
+    gc.collect()  # the tests' engines are garbage now: their finalizers stop their workers
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(int(code))
+    sys.exit(int(code))  # multiprocessing makes it the child's exit code
 
 
 def _first_failure(workspace: Path, stage: int) -> str | None:

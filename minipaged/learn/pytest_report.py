@@ -1,10 +1,14 @@
 """A pytest plugin that records each test's outcome, stage markers and reason for failing, as JSON.
 
-Loaded by the exercise tool with ``-p minipaged.learn.pytest_report``; writes to the file
-named by the ``MINIPAGED_REPORT`` environment variable. A failing test's ``reason`` is the
-line of the test where it failed (``path:line: source``, often the ``assert``) and the
-first line of the error (``assert 2 == 3``, ``NotImplementedError: stage 1: ...``); a skipped
-test's is the reason it was skipped (``Skipped: needs a CUDA device``).
+The grader loads its own copy of this file, under a name of its own (``-p`` with a folder
+outside the tested one on ``PYTHONPATH``), never the copy in the folder it tests; it writes to
+the file named by the ``MINIPAGED_REPORT`` environment variable. It imports nothing of
+minipaged, so it is loaded, and counts the GPUs, before any of the tested code runs. A failing
+test's ``reason`` is the line of the test where it failed (``path:line: source``, often the
+``assert``) and the first line of the error (``assert 2 == 3``, ``NotImplementedError: stage 1:
+...``); a skipped test's is the reason it was skipped (``Skipped: needs a CUDA device``), and
+``skipped_in`` names the package's line the skip was raised through, if it came from the
+package's code rather than from the test.
 
 With ``MINIPAGED_GUARD`` (a JSON object: ``package``, ``tests``, ``reference``, ``out``), it also
 watches the run for shortcuts: a file under the tests or under the reference package (the
@@ -61,6 +65,39 @@ def pytest_collection_modifyitems(items):
         _records[item.nodeid] = {"outcome": "skipped", "stages": stages}
 
 
+def _gpu_count() -> int:
+    """The GPUs torch sees, counted as the plugin loads: before any code under test can change torch."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _package_line(tb) -> str | None:
+    """``file:line`` of the innermost frame of the tested package (its tools in ``learn/`` left
+    out) in a traceback, if any."""
+    found = None
+    while tb is not None:
+        name = os.path.realpath(tb.tb_frame.f_code.co_filename)
+        if name.startswith(_package) and not name.startswith(os.path.join(_package, "learn", "")):
+            found = f"{os.path.relpath(name, os.path.dirname(_package.rstrip(os.sep)))}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
+def pytest_runtest_makereport(item, call):
+    """A skip raised through the package's code is the package's, not the test's: note where."""
+    import pytest
+
+    excinfo = call.excinfo
+    record = _records.get(item.nodeid)
+    if record is not None and excinfo is not None and excinfo.errisinstance(pytest.skip.Exception):
+        where = _package_line(excinfo.tb)
+        if where:
+            record["skipped_in"] = where
+
+
 def pytest_runtest_logreport(report):
     record = _records.get(report.nodeid)
     if record is None:
@@ -83,8 +120,12 @@ def pytest_sessionfinish(session):
             json.dump({k: v for k, v in _records.items() if k in selected}, f)
     if _guard:
         _guard["findings"].extend(_foreign_modules(_guard["reference"], _guard["package"]))
+        try:
+            machine = environment()
+        except Exception as err:  # the GPUs were counted before the tested code ran: they are known
+            machine = {"gpus": [f"GPU {i}" for i in range(_GPUS)], "error": repr(err)[:WIDTH]}
         with open(_guard["out"], "w") as f:
-            json.dump({"findings": _guard["findings"], "environment": environment()}, f)
+            json.dump({"findings": _guard["findings"], "environment": machine}, f)
 
 
 def _folder(path: str | None) -> str | None:
@@ -158,7 +199,7 @@ def _cpu_name() -> str:
 
 
 def environment() -> dict:
-    """The machine and the versions the tests ran with."""
+    """The machine and the versions the tests ran with; the GPUs as counted before the tested code ran."""
     found: dict = {"python": platform.python_version(), "implementation": platform.python_implementation(),
                    "platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
                    "cpu_count": os.cpu_count()}
@@ -168,14 +209,14 @@ def environment() -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[package] = None
     torch = sys.modules.get("torch")
-    cuda = bool(torch is not None and torch.cuda.is_available())
     found["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
-    found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if cuda and torch is not None else []
+    found["gpus"] = [torch.cuda.get_device_name(i) for i in range(_GPUS)] if torch is not None else []
     return found
 
 
+_GPUS = _gpu_count()
 _guard = _load_guard()
+_package = _guard["package"] if _guard else os.path.join(os.path.realpath("minipaged"), "")
 _busy: list[bool] = []  # set while the hook runs: what it calls opens nothing watched, but never recurse
 if _guard:
     sys.addaudithook(_audit)
