@@ -268,7 +268,8 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
     """One sequence's K/V, each ``(seq_len, num_kv_heads, head_dim)``, in logical order.
 
     ``key_cache``/``value_cache``: one layer, ``(num_blocks, block_size, num_kv_heads, head_dim)``;
-    ``block_table``: the sequence's block ids (entries past its blocks are ignored).
+    ``block_table``: the sequence's block ids. Only its first ``ceil(seq_len / block_size)`` entries
+    are read: when the last block is exactly full, the entry after it may hold anything.
     """
     # BEGIN SOLUTION index the blocks in logical order, flatten blocks x slots, keep seq_len tokens
     num_blocks = -(-seq_len // key_cache.shape[1])
