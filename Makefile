@@ -39,7 +39,7 @@ lint: $(STAMP)
 
 # Every test but the site's, which runs once the site is built (docs-build).
 unit: $(STAMP)
-	$(PY) -m pytest -m "not docs"
+	$(PY) -m pytest -m "not docs" --durations=20
 
 # The stages that compare floating-point results, once more on ATen's portable kernels. Other CPUs
 # pick other SIMD kernels (AVX-512, AVX2 or none), which sum in other orders and round differently:

@@ -37,22 +37,22 @@ if Path(minipaged.__file__).resolve().parent != ROOT / "minipaged":
     )
 
 
-STAGE_NAME = re.compile(r"stage(\d+)", re.I)
+STAGE_NAME = re.compile(r"stage\d+", re.I)  # anywhere in a -k word: stage1, test_stage1, Stage10
 
 
 def _stage_matcher(item):
-    """pytest's ``-k`` matcher for ``item``, except that a stage name is read whole: ``stage1``
-    matches ``stage1`` and ``test_stage1_block_allocator.py``, never ``stage10``."""
+    """pytest's ``-k`` matcher for ``item``, except that a word ending in a stage's number reads the
+    number whole: ``stage1`` and ``test_stage1`` match ``test_stage1_block_allocator.py``, never
+    ``test_stage10_v1_scheduler.py``."""
     from _pytest.mark import KeywordMatcher
 
     substring = KeywordMatcher.from_item(item)
     names = list(item.keywords)
 
     def matches(name, /, **kwargs):
-        stage = STAGE_NAME.fullmatch(name)
-        if stage is None:
-            return substring(name, **kwargs)
-        whole = re.compile(rf"stage{int(stage.group(1))}(?!\d)", re.I)
+        if not re.search(r"stage\d+$", name, re.I):
+            return substring(name, **kwargs)  # stage1_block: nothing can follow the number but what is written
+        whole = re.compile(re.escape(name) + r"(?!\d)", re.I)
         return any(whole.search(n) for n in names)
 
     return matches
@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: "checkpoints" in getattr(item, "fixturenames", ()))
     keyword = config.option.keyword
     try:
-        expression = Expression.compile(keyword.strip()) if re.search(r"\bstage\d+\b", keyword, re.I) else None
+        expression = Expression.compile(keyword.strip()) if STAGE_NAME.search(keyword) else None
     except SyntaxError:  # pytest reports it, as it reports any bad -k
         expression = None
     if expression is None:

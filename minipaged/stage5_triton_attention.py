@@ -14,7 +14,9 @@ maximum ``m``, the running sum ``l`` of ``exp(score - m)``, and the running weig
 A head's ``head_dim`` values are padded to ``D_PAD``, a power of two, inside the kernels; every
 load of a row (a query, a K or V tile) is masked by ``offs_d < HEAD_DIM``, since the memory past
 ``head_dim`` is not the head's: the next head's values, or a padded row's spare slots, which may
-hold anything (NaN times a zero query is still NaN).
+hold anything (NaN times a zero query is still NaN). A query or K load past ``head_dim`` reaches the
+scores, and the tests catch it; a V tile's padded columns reach only the padded columns of ``acc``,
+which the store leaves out, but unmasked they would read past the end of the cache's last row.
 
 Three kernels, each checked against stage 4:
 

@@ -34,3 +34,10 @@ def test_a_keyword_expression_over_stage_names_selects_exactly_those_stages():
     rest = collected("-k", "not stage1")
     assert set(rest) == {0, 10} and rest[0] == either[0]
     assert collected("-k", "(STAGE10 or stage0) and not contig") == {10: rest[10]}
+
+
+def test_a_file_name_ending_in_a_stage_reads_its_number_whole():
+    """``-k test_stage1``: the file-name form selects stage 1's file, not stage 10's."""
+    assert set(collected("-k", "test_stage1")) == {1}
+    assert set(collected("-k", "test_stage1 or test_stage0")) == {0, 1}
+    assert set(collected("-k", "test_stage10")) == {10}

@@ -216,6 +216,20 @@ CATALOGUE: list[Mutant] = [
     m(5, "prefill reads the wrong KV head", ("    kv_head = head // GROUP\n", "    kv_head = head % GROUP\n")),
     m(5, "a tile is loaded past head_dim", ("    mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]\n",
                                            "    mask = valid[:, None] & (offs_d >= 0)[None, :]\n")),
+    m(5, "decode (v1) loads the queries past head_dim", (
+        "offs_g  # the query heads that read this KV head\n"
+        "    q_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]\n"
+        "    q = tl.load(query + seq * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=q_mask, other=0.0)",
+        "offs_g  # the query heads that read this KV head\n"
+        "    q_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]\n"
+        "    q = tl.load(query + seq * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=(offs_g < GROUP)[:, None],"
+        " other=0.0)")),
+    m(5, "split-KV (v2) loads the queries past head_dim", (
+        "offs_g\n    q_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]\n"
+        "    q = tl.load(query + seq * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=q_mask, other=0.0)",
+        "offs_g\n    q_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]\n"
+        "    q = tl.load(query + seq * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=(offs_g < GROUP)[:, None],"
+        " other=0.0)")),
     m(5, "prefill loads the queries past head_dim", (
         "head * s_qh + offs_d[None, :], mask=q_mask, other=0.0)",
         "head * s_qh + offs_d[None, :], mask=(offs_m < q_len)[:, None], other=0.0)")),
