@@ -5,12 +5,17 @@ A100-40GB if it only read its bytes (the weights once, every request's K/V once)
 bandwidth; ``requests_that_fit`` counts, with the real caches, how many requests of a length the
 paper's 12 GiB of KV cache hold. The numbers stage 0's page quotes, in both languages, and its
 figure (in English, and in Chinese for the Chinese site) are computed here; so is the claim of
-the home page's figure that both halves are the same memory.
+the home page's figure that both halves are the same memory. On the page, each number must stand
+in its sentence (``FRAGMENTS``), and once the fragments are taken out of the section no number
+may be left, so none goes unchecked.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
+import string
 from pathlib import Path
 
 import pytest
@@ -46,20 +51,97 @@ def section(page: Path, anchor: str) -> str:
     return text[start:end if end >= 0 else None]
 
 
-def quoted() -> list[str]:
-    """Every number the section quotes, formatted as written there, computed."""
+def numbers() -> dict[str, str]:
+    """Every number the section argues from, by what it is, as the section writes it, computed."""
     one = decode_bound(1, CONTEXT)
     fits = {layout: requests_that_fit(CONTEXT, layout) for layout in ("max", "paged")}
     contiguous, paged = (decode_bound(fits[layout], CONTEXT) for layout in ("max", "paged"))
-    ceiling = decode_bound(1, CONTEXT, weight_bytes=0).tokens_per_s
-    return [
-        f"{OPT_13B_WEIGHT_BYTES / 1e9:.0f} GB", f"{GPUS['A100-40GB'][0]:,} GB/s", f"{CONTEXT} token",
-        f"{1e3 * one.step_s:.1f} ms", f"{one.tokens_per_s:.0f} tokens/s", f"{one.kv_bytes // 2**20} MiB",
-        f"{decode_bend(CONTEXT):.0f}", f"{ceiling:,.0f} tokens/s", f"{OPT_13B_KV_BUDGET // 2**30} GiB",
-        f"{fits['max']} ", f"{contiguous.tokens_per_s:.0f} tokens/s", f"{fits['paged']} ",
-        f"{paged.tokens_per_s:,.0f} tokens/s", f"{paged.tokens_per_s / contiguous.tokens_per_s:.1f}",
-        f"{paged.step_s / contiguous.step_s:.2f}", f"{1e3 * contiguous.step_s:.1f} ms", f"{1e3 * paged.step_s:.1f} ms",
-    ]
+    defaults = inspect.signature(requests_that_fit).parameters
+    return {
+        "weights_gb": f"{OPT_13B_WEIGHT_BYTES / 1e9:.0f}", "bandwidth": f"{GPUS['A100-40GB'][0]:,}",
+        "context": f"{CONTEXT}", "alone_ms": f"{1e3 * one.step_s:.1f}", "alone_tps": f"{one.tokens_per_s:.0f}",
+        "alone_kv_mib": f"{one.kv_bytes // 2**20}",
+        "alone_kv_share": f"{math.ceil(100 * one.kv_bytes / (one.kv_bytes + one.weight_bytes))}",  # "under N%"
+        "bend": f"{decode_bend(CONTEXT):.0f}",
+        "ceiling_tps": f"{decode_bound(1, CONTEXT, weight_bytes=0).tokens_per_s:,.0f}",
+        "budget_gib": f"{OPT_13B_KV_BUDGET // 2**30}", "slab": f"{defaults['max_model_len'].default:,}",
+        "block_size": f"{defaults['block_size'].default}",
+        "max_batch": f"{fits['max']}", "max_tps": f"{contiguous.tokens_per_s:,.0f}",
+        "max_ms": f"{1e3 * contiguous.step_s:.1f}",
+        "paged_batch": f"{fits['paged']}", "paged_tps": f"{paged.tokens_per_s:,.0f}",
+        "paged_ms": f"{1e3 * paged.step_s:.1f}",
+        "tps_ratio": f"{paged.tokens_per_s / contiguous.tokens_per_s:.1f}",
+        "step_ratio": f"{paged.step_s / contiguous.step_s:.2f}",
+    }
+
+
+# Where each number stands in the section, in each language: a fragment of its sentence, with the
+# number's unit and the words it is a number of, {name} standing for numbers()[name]. The batches
+# the vLLM paper measured are its figures, as docs/references.md quotes them (PAPER).
+FRAGMENTS = {
+    "en": [
+        "reads {weights_gb} GB of weights once", "at the A100-40GB's {bandwidth} GB/s",
+        "one request of {context} tokens takes at least {alone_ms} ms a step, {alone_tps} tokens/s, "
+        "and its {alone_kv_mib} MiB of K/V are under {alone_kv_share}% of the bytes",
+        "the bound bends there ({bend} requests of {context} tokens) and levels off toward {ceiling_tps} tokens/s",
+        "the {budget_gib} GiB left after the weights hold less K/V than the weights' {weights_gb} GB",
+        "Reserving {slab} slots per request (contiguous, `max`) lets {max_batch} requests run: "
+        "{max_tps} tokens/s at most",
+        "let {paged_batch} run: {paged_tps} tokens/s, {tps_ratio} times as much, for a step only {step_ratio} "
+        "times as long ({paged_ms} ms instead of {max_ms} ms)",
+        "requests of {context} tokens each", "the batches that the {budget_gib} GiB left to the KV cache hold",
+        "{max_batch} in contiguous slabs of {slab} slots (policy `max`), {paged_batch} in blocks of {block_size}",
+        "The vLLM paper measured 7.00 and 30.42 requests at once on ShareGPT (its Figure 13)",
+    ],
+    "zh": [
+        "{weights_gb} GB 的权重", "A100-40GB 的带宽是 {bandwidth} GB/s",
+        "只跑一个 {context} token 的请求时，一步至少要 {alone_ms} ms，也就是 {alone_tps} tokens/s，"
+        "而这个请求 {alone_kv_mib} MiB 的 K/V 还不到读取总量的 {alone_kv_share}%",
+        "曲线在这里拐弯（{context} token 的请求，{bend} 个），之后逐渐逼近 {ceiling_tps} tokens/s",
+        "剩下的 {budget_gib} GiB 装的 K/V 比 {weights_gb} GB 的权重还少",
+        "给每个请求预留 {slab} 个槽位（`max` 策略），只能同时跑 {max_batch} 个请求，最多 {max_tps} tokens/s",
+        "能跑 {paged_batch} 个，{paged_tps} tokens/s，是前者的 {tps_ratio} 倍，"
+        "而每一步只长了 {step_ratio} 倍（从 {max_ms} ms 到 {paged_ms} ms）",
+        "每个请求 {context} token", "留给 KV cache 的 {budget_gib} GiB 能装下的 batch",
+        "连续 slab 每段 {slab} 个槽位（`max` 策略）时是 {max_batch} 个，{block_size} token 一块的分块方式是 "
+        "{paged_batch} 个",
+        "vLLM 论文在 ShareGPT 上实测同时运行的请求数是 7.00 和 30.42（论文图 13）",
+    ],
+}
+PAPER = "7.00, 9.81, 13.62 and 30.42"  # Figure 13, as docs/references.md quotes it
+# Names whose digits are not numbers of the argument; link targets too.
+NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|A100-40GB|Figure \d+|图 \d+")
+NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
+_EN_WORD = r"(?:one|two|three|four|five|six|seven|eight|nine|ten)"
+NUMBER_WORDS = re.compile(rf"\b{_EN_WORD}(?:\s+(?:to|or)\s+{_EN_WORD})?\s+times\b|\btwice\b"
+                          r"|[一二两三四五六七八九十]+(?:到[一二两三四五六七八九十]+)?倍", re.IGNORECASE)
+_CJK = "\u2e80-\u9fff\u3000-\u303f\uff00-\uffef“”"
+
+
+def normalised(text: str) -> str:
+    """One line; a line break between Chinese characters is no space, as in Chinese prose."""
+    text = re.sub(rf"(?<=[{_CJK}])[ \t]*\n\s*(?=[{_CJK}])", "", text)
+    return " ".join(text.split())
+
+
+def problems(text: str, lang: str) -> list[str]:
+    """What is wrong with the section's numbers: a fragment not found as computed, or a number (in
+    digits, or a multiple in words) that no fragment accounts for."""
+    n = numbers()
+    fragments = [fragment.format(**n) for fragment in FRAGMENTS[lang]]
+    found = [f"not found: {f!r}" for f in fragments if f not in text]
+    for fragment in sorted(fragments, key=len, reverse=True):
+        text = text.replace(fragment, " | ")
+    rest = NAMES.sub(" ", text)
+    left = NUMBER.findall(rest) + NUMBER_WORDS.findall(rest)
+    return found + [f"no fragment accounts for {number!r}" for number in left]
+
+
+STAGE0 = {"en": DOCS / "stages" / "0_contiguous.md", "zh": DOCS / "stages" / "0_contiguous.zh.md"}
+
+
+def stage0_section(lang: str) -> str:
+    return normalised(section(STAGE0[lang], "why-the-batch-decides-the-throughput"))
 
 
 def test_the_budget_is_the_papers_and_a_token_of_kv_is_what_a_real_cache_holds():
@@ -107,12 +189,65 @@ def test_memory_sets_the_batch_before_the_bend():
     assert round(paged.tokens_per_s / contiguous.tokens_per_s, 1) == 3.2
 
 
-@pytest.mark.parametrize("page", ["0_contiguous.md", "0_contiguous.zh.md"])
-def test_stage0_quotes_the_computed_bound(page):
-    text = section(DOCS / "stages" / page, "why-the-batch-decides-the-throughput")
+@pytest.mark.parametrize("lang", sorted(STAGE0))
+def test_stage0_quotes_the_computed_bound_each_number_in_its_sentence(lang):
+    text = stage0_section(lang)
     assert "decode_throughput.svg" in text
-    missing = [number for number in quoted() if number not in text]
-    assert not missing, f"{page} does not quote {missing}"
+    found = problems(text, lang)
+    assert not found, f"{STAGE0[lang].name}:\n" + "\n".join(found)
+
+
+def test_the_papers_batches_are_the_ones_the_references_quote():
+    assert PAPER in " ".join((DOCS / "references.md").read_text(encoding="utf-8").split())
+    assert all(set(NUMBER.findall(re.sub(r"\{[^}]*\}", " ", NAMES.sub(" ", f)))) <= set(NUMBER.findall(PAPER))
+               for fragments in FRAGMENTS.values() for f in fragments)  # a fragment's own numbers are the paper's
+
+
+def _mutants(lang: str):
+    """Each fragment with one computed number off by a digit, or with two of its numbers traded."""
+    n = numbers()
+    for template in FRAGMENTS[lang]:
+        fields = list(dict.fromkeys(field for _, field, _, _ in string.Formatter().parse(template) if field))
+        original = template.format(**n)
+        for field in fields:
+            value = n[field]
+            wrong = value[:-1] + str((int(value[-1]) + 1) % 10)
+            yield f"{field} changed", original, template.format(**{**n, field: wrong})
+        distinct = [f for f in fields if n[f] != n[fields[0]]] if fields else []
+        if distinct:
+            a, b = fields[0], distinct[0]
+            yield f"{a} and {b} swapped", original, template.format(**{**n, a: n[b], b: n[a]})
+
+
+@pytest.mark.parametrize("lang", sorted(STAGE0))
+def test_the_check_refuses_a_changed_or_swapped_number(lang):
+    text = stage0_section(lang)
+    assert not problems(text, lang)
+    count = 0
+    for what, original, mutant in _mutants(lang):
+        assert problems(text.replace(original, mutant), lang), f"{lang}: {what} in {original!r} is not caught"
+        count += 1
+    assert count > 25
+
+
+@pytest.mark.parametrize(("lang", "number", "wrong"), [
+    ("en", "lets 7 requests run", "lets 8 requests run"),
+    ("en", "30 in blocks of 16", "31 in blocks of 16"),
+    ("en", "Reserving 2,048 slots", "Reserving 2,049 slots"),
+    ("en", "under 2% of the bytes", "under 3% of the bytes"),
+    ("en", "measured 7.00 and 30.42", "measured 7.00 and 31.42"),
+    ("en", "at most.", "at most, twice the first."),
+    ("zh", "只能同时跑 7 个请求", "只能同时跑 9 个请求"),
+    ("zh", "是 30 个", "是 31 个"),
+    ("zh", "不到读取总量的 2%", "不到读取总量的 3%"),
+    ("zh", "3.2 倍", "3.2 倍，每个请求多读 8 MiB"),
+    ("zh", "3.2 倍", "两倍"),
+], ids=["batch-en", "blocks-en", "slab-en", "share-en", "paper-en", "extra-words-en",
+        "batch-zh", "blocks-zh", "share-zh", "extra-zh", "words-zh"])
+def test_the_check_refuses_these_edits(lang, number, wrong):
+    text = stage0_section(lang)
+    assert text.count(number) == 1
+    assert problems(text.replace(number, wrong), lang)
 
 
 # The figure's words around its numbers, in each language; tests/test_doc_figures.py holds the

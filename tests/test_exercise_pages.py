@@ -12,6 +12,7 @@ the same test names, the same links and as many hints, so that the two cannot dr
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -229,3 +230,109 @@ def test_a_chinese_page_that_drifts_is_caught():
     assert [problem.split(":")[0] for problem in drift(english, unlinked)] == ["links"]
     hintless = chinese.replace('??? tip "', '??? note "', 1)
     assert [problem.split(":")[0] for problem in drift(english, hintless)] == ["hints"]
+
+
+# The index's example grades and the mutant catalogue's last line, as the code gives them today:
+# each stage's count of tests, the line of the test where a failure stops, the mutants.
+GRADE_HEADER = "stage      passed  status"
+GRADE_ROW = re.compile(r"(\d+) +(\d+)/(\d+)  (complete|in progress|not started)")
+FAILED = re.compile(r" +failed: (\S+)")
+WHERE = re.compile(r" +(tests/\S+\.py):(\d+): (.+)")
+KILLED = re.compile(r"^mutants: (\d+)/(\d+) killed$", re.M)
+MUTANT_ROW = re.compile(r"^(\d+) +(.+?) +(tests/\S+\.py)::(\w+)$", re.M)
+FENCE = re.compile(r"^```\n(.*?)^```$", re.M | re.S)
+
+
+def code_of_test(path: str, name: str) -> tuple[list[str], int, int]:
+    """The lines of a test file, and where the code of its test ``name`` starts and ends (1-based):
+    a function, a class, or a state machine's ``TestCase`` (its machine's class)."""
+    source = (REPO_DIR / path).read_text()
+    tree = ast.parse(source)
+    nodes = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [name]
+                and isinstance(node.value, ast.Attribute) and node.value.attr == "TestCase"):
+            name = ast.unparse(node.value.value)
+    node = nodes[name]
+    return source.splitlines(), node.lineno, node.end_lineno
+
+
+def failing_line(nodeid: str, source: str) -> int | None:
+    """The line of the named test's code that reads ``source``, if exactly one does."""
+    path, name = nodeid.split("::")[:2]
+    lines, first, last = code_of_test(path, name)
+    found = [number for number in range(first, last + 1) if lines[number - 1].strip() == source]
+    return found[0] if len(found) == 1 else None
+
+
+def grade_problems(page: str, collected: dict[str, int]) -> list[str]:
+    """What the index's example grades say that the tests of today do not: a stage's count of
+    tests, a status or a number passed that its failures contradict, the line a failure is
+    quoted at; and the mutant catalogue's size and its example row."""
+    from minipaged.learn.mutants import CATALOGUE
+
+    found, tables = [], [block for block in FENCE.findall(page) if block.startswith(GRADE_HEADER)]
+    if len(tables) < 2:
+        found.append(f"{len(tables)} grade tables, not 2")
+    for table in tables:
+        rows: list[list] = []
+        for line in table.splitlines()[2:]:
+            if row := GRADE_ROW.fullmatch(line):
+                rows.append([*row.groups(), []])
+            elif failure := FAILED.fullmatch(line):
+                rows[-1][4].append([failure[1]])
+            elif where := WHERE.fullmatch(line):
+                rows[-1][4][-1].append(where.groups())
+        for stage, passed, total, status, failures in rows:
+            stage, passed, total = int(stage), int(passed), int(total)
+            tests = sum(collected[path] for path in stage_tests(stage))
+            if total != tests:
+                found.append(f"stage {stage}: {total} tests, not {tests}")
+            expected = {"complete": total, "not started": 0}.get(status, total - len(failures))
+            if passed != expected or (status == "in progress" and not 0 < passed < total):
+                found.append(f"stage {stage}: {passed}/{total} {status}, with {len(failures)} failures listed")
+            for nodeid, *wheres in failures:
+                assert wheres, f"{nodeid}: no line given"
+                ((path, line, source),) = wheres
+                at = failing_line(nodeid, source) if path == nodeid.split("::")[0] else None
+                if at != int(line):
+                    found.append(f"{nodeid}: fails at {path}:{line}, not at {path}:{at}")
+    killed = KILLED.findall(page)
+    if killed != [(str(len(CATALOGUE)),) * 2]:
+        found.append(f"mutants: {killed}, not {len(CATALOGUE)}/{len(CATALOGUE)}")
+    for stage, name, path, test in MUTANT_ROW.findall(page):
+        if not any(m.stage == int(stage) and m.name == name for m in CATALOGUE):
+            found.append(f"no mutant {name!r} in stage {stage}")
+        if f"\ndef {test}(" not in (REPO_DIR / path).read_text():
+            found.append(f"no test {path}::{test}")
+    return found
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_the_example_grades_are_todays(language, collected):
+    found = grade_problems(page_of("index", language).read_text(), collected)
+    assert not found, f"docs/exercises/index{language}.md: " + "; ".join(found)
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("0/52  not started", "0/47  not started"),
+    ("52/52  complete", "47/47  complete"),
+    ("19/21  in progress", "18/20  in progress"),
+    ("19/21  in progress", "20/21  in progress"),
+    ("19/19  complete", "16/16  complete"),
+    ("19/19  complete", "18/19  complete"),
+    ("block_allocator.py:79:", "block_allocator.py:69:"),
+    ("block_allocator.py:114:", "block_allocator.py:104:"),
+    ("6      admits while something", "6      admits while anything"),
+    ("6      admits", "7      admits"),
+    ("::test_rule_nothing_is_admitted_while_anything_waits_in_swap\n", "::test_rule_nothing_is_admitted\n"),
+], ids=["not-started", "complete", "passed", "failures", "stage2", "status", "line", "machine-line", "mutant",
+        "mutant-stage", "killed-by"])
+def test_a_stale_example_grade_is_caught(old, new, collected):
+    from minipaged.learn.mutants import CATALOGUE
+
+    page = page_of("index", "").read_text()
+    assert not grade_problems(page, collected) and page.count(old) == 1
+    assert grade_problems(page.replace(old, new), collected)
+    size = len(CATALOGUE)
+    assert grade_problems(page.replace(f"{size}/{size} killed", f"{size - 1}/{size - 1} killed"), collected)

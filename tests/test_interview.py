@@ -564,3 +564,28 @@ def test_the_page_follows_the_glossary_in_the_navigation():
     assert re.search(rf'"{re.escape(title)}": "面试题', config)
     for home in ("index.md", "index.zh.md"):
         assert "(interview.md)" in (DOCS / home).read_text(encoding="utf-8"), home
+
+
+# bench/batch_capacity.py's full run: requests per trace. Its results are seeded and
+# deterministic; the contiguous policies, which the page quotes as a range, take a few seconds.
+CAPACITY_REQUESTS = 500
+
+
+def test_the_quoted_contiguous_batches_are_what_the_benchmark_computes(monkeypatch):
+    """ShareGPT-like at the highest rate, the three contiguous policies run again from the seeded
+    trace and compared with bench/results/batch_capacity.json. The paged batch (the real engine
+    loop, about a minute) and bench/block_size.py's utilisations (a minute a trace) are left to
+    the benchmarks' own runs."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as a script, it imports bench/'s own modules
+    spec = importlib.util.spec_from_file_location("batch_capacity", ROOT / "bench" / "batch_capacity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = result("batch_capacity")
+    assert data["slots"] == bench.OPT_13B_SLOTS
+    rate = max((key for key in data["results"] if key.startswith("ShareGPT/")), key=lambda k: float(k.split("/")[1]))
+    requests = bench.trace("ShareGPT", CAPACITY_REQUESTS, float(rate.split("/")[1]) * bench.SCALE["ShareGPT"])
+    for policy in ("max", "pow2", "oracle"):
+        assert bench.mean_batch_contiguous(requests, policy, bench.OPT_13B_SLOTS) == pytest.approx(
+            data["results"][rate][policy], rel=1e-12), policy

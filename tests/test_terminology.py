@@ -55,6 +55,8 @@ VARIANTS: dict[str, str] = {
     "GQA": r"分组查询",
     "MQA": r"多查询",
     "KV cache": r"KV\s*缓存",
+    # swap as a word of the sentence (用 swap 抢占, 把块 swap 到 CPU); "swap 空间" names vLLM's swap_space.
+    "换出": r"(?<![A-Za-z0-9_\-])swap(?![A-Za-z0-9_\-]|\s*(?:空间|space))",
 }
 
 # A rejected form that also spells a different word: the form -> that word, left alone.
@@ -233,11 +235,13 @@ def rules() -> tuple[Rule, ...]:
 def find_rejected(text: str) -> list[str]:
     """Each rejected word in ``text`` (prose), with its line and the word to use."""
     hits: list[tuple[tuple[int, int], str]] = []
+    glossed: list[tuple[int, int]] = []  # forms standing as their term's gloss: block table in 块表（block table）
     for rule in rules():
         allowed = gloss_spans(rule.entry, text) if rule.entry else []
         others = [s for form, word in OTHER_WORDS.items() if re.search(rule.pattern, form) for s in spans(word, text)]
         for span in occurrences(rule.pattern, text):
             if any(a <= span[0] and span[1] <= b for a, b in allowed + others):
+                glossed.append(span)
                 continue
             hits.append((span, rule.instead))
     for sentence in GREEN_SENTENCE.finditer(text):
@@ -245,7 +249,7 @@ def find_rejected(text: str) -> list[str]:
             start = sentence.start() + m.start()
             hits.append(((start, start + len(m.group())), "部分: the pieces are numbered, not the blocks"))
     hits.sort()
-    kept = [h for h in hits if not inside(h[0], [o[0] for o in hits])]
+    kept = [h for h in hits if not inside(h[0], [o[0] for o in hits] + glossed)]
     seen, found = set(), []
     for (start, end), instead in kept:
         if (start, end) in seen:
@@ -362,10 +366,15 @@ def test_a_stage_page_header_links_its_tutorial_in_chinese_and_says_it_is_englis
         "序列之间还能用 copy-on-write 共享块",
         "这叫 continuous batching（迭代级调度）",
         "swap 或 recompute 抢占",
+        "由真实的调度器按先来先服务处理（没有模型，用 swap 抢占）",
+        "被抢占的请求要么把块 swap 到 CPU 内存，要么释放掉",
+        "只要 swap 里还有在等的就不接纳新请求",
+        "或者 **swap 模式总是重算**。",
         "V1 只做 recomputation",
         "调度器接收一个块管理器",
         "它的 prefix caching 分配器",
         "copy-on-write（写时复制）",  # the wrong way round
+        "它的**块表**（block）把每个逻辑块映射到物理块",  # a shorter term's name as the gloss
         "共享块要写时才复制一份（copy-on-write）",  # a gloss, but not right after the term
         "写时复制（copy-on-write）之后再写时复制（copy-on-write）",  # glossed twice
         "decode 和 chunk 共用一次前向，即分块预填充",
@@ -387,9 +396,15 @@ def test_the_check_catches_the_wording_it_rejects(old: str):
     "fine",
     [
         "换出到 CPU 内存",
+        "用换出做抢占；只要还有被换出的请求在等，就不接纳新请求",
+        '`preemption_mode="swap"`，`swap_out`、`blocks_to_swap_in`',
+        "换出 / 换入（swap out / swap in）",
+        "`num_cpu_blocks`（swap 空间），即 CPU swap 空间",
+        "waiting、running 和 swapped 三个队列",
         "操作系统的虚拟内存分页",
         "共享内存页",
         "block manager（块管理器）",
+        "它的**块表**（block table）把每个逻辑块映射到物理块",
         "写时复制（copy-on-write）只复制最后一块；之后的写时复制也一样",
         "**水位线**（watermark，1%）",
         "投机解码",
