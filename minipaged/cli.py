@@ -68,7 +68,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from minipaged.learn.grade import format_report, format_rubric, grade_report, gradescope_results, write_results
+    from minipaged.learn.grade import (
+        exit_status,
+        format_report,
+        format_rubric,
+        grade_report,
+        gradescope_results,
+        write_results,
+    )
 
     tests = Path(args.tests) if args.tests else None
     report = grade_report(Path(args.directory), args.stage, tests, collect_only=args.rubric)
@@ -81,10 +88,7 @@ def _grade(args: argparse.Namespace) -> int:
         path = write_results(Path(args.output or "results.json"), data, force=args.force)
         print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    done = {"complete", "blocked", "no tests"}
-    rows = report["stages"]
-    return 0 if not report["refused"] and all(r["status"] in done for r in rows) and any(
-        r["status"] == "complete" for r in rows) else 1
+    return exit_status(report)
 
 
 DEMO_PROMPTS = [

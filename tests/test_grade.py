@@ -9,9 +9,11 @@ stage, so that ``pytest -k stageN`` never selects them.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -24,14 +26,16 @@ from minipaged.learn.grade import (
     Rubric,
     _harness,
     _outcome,
+    exit_status,
     format_rubric,
     grade_report,
     integrity,
+    rows,
     run_tests,
     scan_source,
     write_results,
 )
-from minipaged.learn.pytest_report import _foreign_modules
+from minipaged.learn.pytest_report import _foreign_modules, _starter
 
 pytestmark = pytest.mark.common
 
@@ -203,6 +207,15 @@ SHORTCUTS = {
     "grader": ("from minipaged.learn import pytest_report\n", "reads-tests"),
     "grader-relative": ("from . import learn\n", "reads-tests"),
     "grader-plugin": ("import minipaged_grade_plugin\n", "reads-tests"),
+    "unittest": ("import unittest\n", "reads-tests"),  # its SkipTest skips a test
+    "subprocess": ("import subprocess\n", "reads-tests"),  # a process reads what no hook sees
+    "pty": ("import pty\n", "reads-tests"),
+    "ctypes": ("import ctypes\n", "reads-tests"),
+    "os-system": ("import os\nRUN = os.system\n", "reads-tests"),
+    "os-popen-aliased": ("import os as o\nRUN = o.popen\n", "reads-tests"),
+    "os-exec": ("from os import execvp\n", "reads-tests"),
+    "posix-spawn": ("import os\nRUN = os.posix_spawn\n", "reads-tests"),
+    "asyncio-subprocess": ("import asyncio\nRUN = asyncio.create_subprocess_shell\n", "reads-tests"),
 }
 
 
@@ -418,26 +431,82 @@ def test_a_teachers_test_with_the_name_of_a_public_one_is_refused(tmp_path):
 
 # --- blocked tests ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("reason, record, gpus, status", [
-    ("Skipped: needs a CUDA device", {}, [], "blocked"),
-    ("Skipped: needs a CUDA device", {}, ["NVIDIA H200"], "skipped"),  # a GPU here: nothing is blocked by one
-    ("Skipped: this Triton build ships no ptxas", {}, [], "blocked"),
-    ("Skipped: this Triton build ships no ptxas", {}, ["NVIDIA H200"], "blocked"),  # a tool missing anywhere
-    ("Skipped: not a git checkout", {}, [], "skipped"),
-    ("Skipped: needs a CUDA device", {"skipped_in": f"minipaged/{ALLOCATOR.name}:9"}, [], "skipped"),
+CPU, GPU, NO_TRITON = {"gpus": [], "triton": "3.9.0"}, {"gpus": ["NVIDIA H200"], "triton": "3.9.0"}, {"gpus": []}
+
+
+@pytest.mark.parametrize("reason, record, machine, status", [
+    ("Skipped: needs a CUDA device", {}, CPU, "blocked"),
+    ("Skipped: needs a CUDA device", {}, GPU, "skipped"),  # a GPU here: nothing is blocked by one
+    ("Skipped: this Triton build ships no ptxas", {}, CPU, "blocked"),
+    ("Skipped: this Triton build ships no ptxas", {}, GPU, "blocked"),  # a tool missing anywhere
+    ("Skipped: needs Triton, which cannot be imported here", {}, NO_TRITON, "blocked"),
+    ("Skipped: needs Triton, which cannot be imported here", {}, CPU, "skipped"),  # Triton is here
+    ("Skipped: not a git checkout", {}, CPU, "skipped"),
+    ("Skipped: needs a CUDA device", {"skipped_in": f"minipaged/{ALLOCATOR.name}:9"}, CPU, "skipped"),
+    ("Skipped: needs Triton", {"skipped_in": f"minipaged/{ALLOCATOR.name}:9"}, NO_TRITON, "skipped"),
 ])
-def test_a_skip_is_blocked_when_the_machine_lacks_what_the_test_needs(reason, record, gpus, status):
-    assert _outcome({"outcome": "skipped", "stages": [1], "reason": [reason], **record}, RUBRIC, gpus) == status
+def test_a_skip_is_blocked_when_the_machine_lacks_what_the_test_needs(reason, record, machine, status):
+    assert _outcome({"outcome": "skipped", "stages": [1], "reason": [reason], **record}, RUBRIC, machine) == status
+
+
+NO_TRITON_HERE = '''"""Python as on a machine where Triton is not built (it is for Linux on x86-64 only)."""
+import sys
+
+
+class NoTriton:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoTriton())
+'''
+
+
+def test_the_triton_kernels_are_blocked_not_lost_where_triton_cannot_be_imported(tmp_path, monkeypatch):
+    """Stage 5's tests need Triton: where it cannot be imported they are collected all the same,
+    and blocked, their points held back; the stage is not scored 0 of its points."""
+    python = tmp_path / "python"
+    python.mkdir()
+    (python / "sitecustomize.py").write_text(NO_TRITON_HERE)  # every Python the grader starts has no Triton
+    monkeypatch.setenv("PYTHONPATH", str(python))
+    report = grade_report(make_workspace(5, tmp_path / "ws"), [1, 5])
+    assert report["refused"] == [] and report["environment"]["triton"] is None
+    allocator, kernels = report["stages"]
+    assert kernels["stage"] == 5 and kernels["tests"] and kernels["status"] == "blocked"
+    assert {t["status"] for t in kernels["tests"]} == {"blocked"} and kernels["blocked"] == len(kernels["tests"])
+    assert kernels["blocked_points"] == kernels["points"] == RUBRIC.points[5] and kernels["max_points"] == 0
+    assert allocator["status"] == "complete" and report["max_score"] == allocator["max_points"]
+    assert [row.status for row in rows(report)] == ["complete", "blocked"]  # the table says so too
+    assert exit_status(report) == 0  # the blocked stage is graded again where Triton runs
+
+
+def _status(*stages: str, refused: bool = False) -> int:
+    return exit_status({"stages": [{"status": s} for s in stages], "refused": [{"rule": "reads-tests"}] * refused})
+
+
+def test_the_exit_status_is_0_only_when_every_graded_stage_is_done():
+    assert _status("complete") == _status("complete", "blocked") == 0
+    assert _status("complete", "no tests") == 1  # its points are in the maximum, none earned
+    assert _status("complete", "in progress") == _status("blocked") == _status("complete", refused=True) == 1
 
 
 SKIP_FROM_THE_PACKAGE = '''
 
+_SKIPS = []
+
+
 def _skip(reason):
-    """Raise pytest's own skip from a learner's file, as if the test had skipped itself."""
+    """Raise a skip from a learner's file, as if the test had skipped itself, found without importing
+    pytest or unittest: pytest's own (``Skipped``) and unittest's (``SkipTest``) in turn."""
+    _SKIPS.append(reason)
+    name = ("Skipped", "SkipTest")[len(_SKIPS) % 2]
     classes = [BaseException]
     while classes:
         cls = classes.pop()
-        if cls.__name__ == "Skipped":
+        if cls.__name__ == name:
             raise cls(reason)
         classes.extend(getattr(cls, "__subcl" + "asses__")())
 '''
@@ -445,7 +514,8 @@ def _skip(reason):
 
 def test_a_skip_the_learners_code_raises_is_never_blocked(tmp_path):
     """Blocked tests leave the maximum: a learner's code that skips a test, with the reason a GPU
-    test gives, must not turn its failure into a smaller maximum."""
+    test gives, must not turn its failure into a smaller maximum. pytest turns unittest's
+    ``SkipTest`` into a skip of its own, raised from pytest's code: it is the learner's all the same."""
     source = ALLOCATOR.read_text().replace("\n\nclass ", SKIP_FROM_THE_PACKAGE + "\n\nclass ", 1)
     source = source.replace('        check_int("num_blocks", num_blocks, 1)\n',
                             '        check_int("num_blocks", num_blocks, 1)\n'
@@ -454,10 +524,65 @@ def test_a_skip_the_learners_code_raises_is_never_blocked(tmp_path):
     report = grade_report(_workspace(tmp_path, source), [1])
     (row,) = report["stages"]
     skipped = [t for t in row["tests"] if t["status"] not in ("passed", "failed")]
-    assert skipped and {t["status"] for t in skipped} == {"skipped"}
+    assert len(skipped) >= 2 and {t["status"] for t in skipped} == {"skipped"}  # both kinds of skip
     assert all(t["skipped_in"].startswith(f"minipaged/{ALLOCATOR.name}:") for t in skipped)
     assert row["blocked"] == 0 and report["blocked_points"] == 0
     assert report["max_score"] == RUBRIC.points[1] > report["score"]
+
+
+# What a learner's allocator starts as it is first made; the code hides it from the scan.
+STARTS = {
+    "refused": ['getattr(os, "po" + "pen")("cat " + os.path.join("te" + "sts", "helpers_kv.py")).read()',
+                'getattr(os, "sys" + "tem")("true")'],  # a shell that reads a test, and a command
+    "allowed": ['multiprocessing.get_context("fork").Process(target=int, daemon=True).start()',  # its own Python
+                'torch.utils.collect_env.run("true")'],  # a package it uses starts the process
+}
+
+
+@pytest.mark.parametrize("case", sorted(STARTS))
+def test_a_process_the_learners_code_starts_is_refused_while_the_tests_run(case, tmp_path):
+    """A child process reads what no audit hook of the tests' process sees. multiprocessing's
+    children run the learner's own Python (stage 11's workers), and a package that starts a
+    process (Triton runs ptxas) is not the learner's code: neither is refused."""
+    source = ALLOCATOR.read_text().replace("from __future__ import annotations\n",
+                                           "from __future__ import annotations\n\nimport multiprocessing\nimport os\n"
+                                           "\nimport torch.utils.collect_env\n\n_STARTED = []\n", 1)
+    starts = "".join(f"            _STARTED.append({start})\n" for start in STARTS[case])
+    source = source.replace('        check_int("num_blocks", num_blocks, 1)\n',
+                            f'        check_int("num_blocks", num_blocks, 1)\n        if not _STARTED:\n{starts}', 1)
+    assert "_STARTED.append" in source and scan_source(source, ALLOCATOR.name) == []
+    report = grade_report(_workspace(tmp_path, source), [1])
+    if case == "refused":
+        assert len(report["refused"]) == 2 and {r["rule"] for r in report["refused"]} == {"reads-tests"}
+        assert all(r["where"].startswith(f"minipaged/{ALLOCATOR.name}:") for r in report["refused"])
+        assert report["score"] == 0 and report["stages"][0]["status"] == "refused"
+    else:
+        assert report["refused"] == [] and report["score"] > 0
+
+
+def test_only_the_learners_own_files_are_taken_to_start_a_process(tmp_path):
+    """The first frame past the standard library decides: a learner's file, or code it uses (the
+    package's own server launcher, which the tests call too), or multiprocessing on the way."""
+    root = Path(os.path.realpath(tmp_path))
+    learners = root / "minipaged" / ALLOCATOR.name
+    guard = {"root": f"{root}{os.sep}", "learners": {str(learners)}}
+
+    def called_from(*files: Path):
+        """What the hook says of a process started through a function of each file, the first outermost."""
+        call = None
+        for path in reversed(files):
+            namespace = {"_starter": _starter, "guard": guard, "inner": call}
+            body = "inner()" if call else "_starter(guard)"
+            exec(compile(f"def call():\n    return {body}\n", str(path), "exec"), namespace)
+            call = namespace["call"]
+        return call()
+
+    multiprocessing = Path(sysconfig.get_paths()["stdlib"], "multiprocessing", "popen_fork.py")
+    assert called_from(learners) == f"minipaged/{ALLOCATOR.name}:2"
+    assert called_from(learners, Path(subprocess.__file__)) == f"minipaged/{ALLOCATOR.name}:2"
+    assert called_from(learners, root / "minipaged" / "serving" / "launcher.py") is None
+    assert called_from(root / "tests" / "test_stage11_tensor_parallel.py") is None
+    assert called_from(learners, multiprocessing, Path(subprocess.__file__)) is None
 
 
 @pytest.fixture(scope="module")

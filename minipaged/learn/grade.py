@@ -9,14 +9,15 @@ and the versions; and the shortcuts that were refused. The learner's stage files
 code of theirs that runs; their folder is only read.
 
 The rubric, ``RUBRIC``, is the one place that gives points: each stage's, shared among its
-tests by weight. A test skipped because the machine lacks what it needs (a GPU, or a tool of
+tests by weight. A test skipped because the machine lacks what it needs (a GPU, Triton, or a tool of
 the toolchain) is *blocked*: its points are held back, neither earned nor lost, and leave the
 maximum of this run; the stage is graded on what this machine can run.
 
 A submission is *refused*, with a reason and no points, when the folder holds no exercise
 marker, when a file the learner edits loads code by hand or reads the installed minipaged (it
-must be the learner's own), when it reads the tests or the grader, or when the tests (or
-pytest's configuration, or the grader) differ from the grader's own copy.
+must be the learner's own), when it reads the tests or the grader (or starts a process, or calls
+C, whose reads no hook sees), or when the tests (or pytest's configuration, or the grader) differ
+from the grader's own copy.
 """
 
 from __future__ import annotations
@@ -60,14 +61,17 @@ class Rubric:
     that of the first pattern (``fnmatch``, on the test's node id) it matches, else 1.
 
     A test the tests themselves skip (not the package's code) is *blocked* when its reason
-    matches ``blocked`` (it needs a GPU) on a machine with none, or matches ``tools`` (a tool of
-    the toolchain this machine's build lacks, such as Triton's ``ptxas``) on any machine.
+    matches ``blocked`` (it needs a GPU) on a machine with none, or ``triton`` (it needs Triton)
+    on a machine where Triton cannot be imported (it is built for Linux on x86-64 only), or
+    ``tools`` (a tool of the toolchain this machine's build lacks, such as Triton's ``ptxas``) on
+    any machine. What the machine has is read before any of the learner's code runs.
     """
 
     points: dict[int, float]
     weights: tuple[tuple[str, float], ...] = ()
     blocked: str = r"\b(CUDA|GPU)\b"
     tools: str = r"\bptxas\b"
+    triton: str = r"\bTriton\b"
 
     def weight(self, nodeid: str) -> float:
         return next((w for pattern, w in self.weights if fnmatch.fnmatchcase(nodeid, pattern)), 1.0)
@@ -81,7 +85,8 @@ class Rubric:
     def as_dict(self) -> dict:
         return {"points": {str(s): p for s, p in sorted(self.points.items())},
                 "weights": [{"match": pattern, "weight": w} for pattern, w in self.weights],
-                "blocked": self.blocked, "tools": self.tools, "total": sum(self.points.values())}
+                "blocked": self.blocked, "tools": self.tools, "triton": self.triton,
+                "total": sum(self.points.values())}
 
 
 # Five points per star of the exercise's difficulty (docs/exercises/index.md): the one place
@@ -95,9 +100,10 @@ class StageResult:
     stage: int
     passed: int
     failed: int
-    skipped: int
+    skipped: int  # blocked tests among them
     failures: list[str] = field(default_factory=list)  # the failing tests, by node id
     reasons: dict[str, list[str]] = field(default_factory=dict)  # node id -> where and why it failed
+    blocked: int = 0  # skipped for want of a GPU, Triton or a tool: their points held back
 
     @property
     def total(self) -> int:
@@ -106,7 +112,7 @@ class StageResult:
     @property
     def status(self) -> str:
         if self.total == 0:
-            return "no tests"
+            return "blocked" if self.blocked else "no tests"
         if self.failed == 0:
             return "complete"
         return "not started" if self.passed == 0 else "in progress"
@@ -139,8 +145,13 @@ def run_tests(directory: Path, *pytest_args: str, env: dict[str, str] | None = N
 # --- shortcuts -------------------------------------------------------------------------------
 
 LOADERS = {"importlib", "imp", "runpy", "pkgutil", "zipimport", "site"}  # modules that load code by hand
-TEST_MODULES = ("pytest", "_pytest", "conftest", "tests", "test_", "helpers_")  # what the tests are made of
+TEST_MODULES = {"pytest", "_pytest", "unittest", "conftest", "tests"}  # what the tests are made of
+TEST_PREFIXES = ("test_", "helpers_")
 FRAMES = {"inspect", "gc"}  # a caller's frames hold the test's expected values
+# A process, or C code, that the file starts itself: what it reads, no hook of the grader sees.
+PROCESSES = {"subprocess", "_posixsubprocess", "pty", "ctypes", "_ctypes"}
+PROCESS_CALLS = {"os": re.compile(r"system|popen|fork|forkpty|exec\w*|spawn\w*|posix_spawnp?"),
+                 "asyncio": re.compile(r"create_subprocess_\w+")}
 LOADING_CALLS = {"__import__", "exec", "eval", "compile"}
 IMPORT_STATE = {"path", "modules", "meta_path", "path_hooks", "path_importer_cache"}
 LOCATING = {"__file__", "__path__", "__spec__", "__loader__"}
@@ -159,11 +170,17 @@ def scan_source(source: str, filename: str) -> list[dict]:
     """The shortcuts a learner's file takes, found in its code (docstrings and comments left out).
 
     ``reference``: it loads code by hand or locates a package's files (the installed minipaged);
-    ``reads-tests``: it imports the tests, pytest or the grader, names a test's file, or reads its
-    callers' frames.
+    ``reads-tests``: it imports the tests, pytest, unittest or the grader, names a test's file,
+    reads its callers' frames, or starts a process or calls C (``subprocess``, ``os.system``,
+    ``ctypes``), whose reads the grader cannot watch; multiprocessing, whose children run the
+    file's own Python, is allowed (stage 11's workers).
     """
     tree = ast.parse(source, filename)
     docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    modules: dict[str, str] = {}  # the names its imports bind to a module: ``import os as o`` binds o to os
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            modules.update((a.asname, a.name) if a.asname else (a.name.split(".")[0],) * 2 for a in n.names)
     found = []
 
     def add(node: ast.AST, rule: str, reason: str) -> None:
@@ -176,10 +193,17 @@ def scan_source(source: str, filename: str) -> list[dict]:
                 root = name.split(".")[0]
                 if root in LOADERS:
                     add(node, "reference", f"imports {name}: it loads code by hand, the installed minipaged too")
-                elif root in TEST_MODULES[:4] or root.startswith(TEST_MODULES[4:]):
+                elif root in TEST_MODULES or root.startswith(TEST_PREFIXES):
                     add(node, "reads-tests", f"imports {name}: the tests are not the learner's to read")
                 elif root in FRAMES:
                     add(node, "reads-tests", f"imports {name}: its callers' frames hold the tests' expected values")
+                elif root in PROCESSES:
+                    add(node, "reads-tests", f"imports {name}: what a process or C code reads, the grader cannot watch")
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in PROCESS_CALLS:
+                for alias in node.names:
+                    if PROCESS_CALLS[node.module].fullmatch(alias.name):
+                        add(node, "reads-tests", f"imports {node.module}.{alias.name}: it starts a process, "
+                                                 "whose reads the grader cannot watch")
             if isinstance(node, ast.ImportFrom):  # a learner's file is in minipaged/: ``from . import learn``
                 package = ".".join(filter(None, ["minipaged" if node.level else "", node.module or ""]))
                 names = [package, *(f"{package}.{alias.name}" for alias in node.names)]
@@ -189,13 +213,17 @@ def scan_source(source: str, filename: str) -> list[dict]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOADING_CALLS:
             add(node, "reference", f"calls {node.func.id}(): it runs code that is not in the file")
         elif isinstance(node, ast.Attribute):
-            base = node.value.id if isinstance(node.value, ast.Name) else None
-            if base == "sys" and node.attr in IMPORT_STATE:
+            bound = node.value.id if isinstance(node.value, ast.Name) else None
+            base = modules.get(bound, bound) if bound else None
+            if base in PROCESS_CALLS and PROCESS_CALLS[base].fullmatch(node.attr):
+                add(node, "reads-tests", f"uses {base}.{node.attr}: it starts a process, whose reads the grader "
+                                         "cannot watch")
+            elif base == "sys" and node.attr in IMPORT_STATE:
                 add(node, "reference", f"uses sys.{node.attr}: it changes where modules come from")
             elif base == "sys" and node.attr == "_getframe":
                 add(node, "reads-tests", "reads its callers' frames: they hold the tests' expected values")
-            elif node.attr in LOCATING and base is not None:
-                add(node, "reference", f"reads {base}.{node.attr}: it locates a package's files")
+            elif node.attr in LOCATING and bound is not None:
+                add(node, "reference", f"reads {bound}.{node.attr}: it locates a package's files")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             if INSTALLED.search(node.value):
                 add(node, "reference", f"names {node.value!r}: the installed packages")
@@ -288,16 +316,16 @@ def _harness(directory: Path, extra: Path | None, into: Path) -> list[str]:
     return names
 
 
-def _outcome(record: dict, rubric: Rubric, gpus: list) -> str:
+def _outcome(record: dict, rubric: Rubric, machine: dict) -> str:
     """A test's status: its outcome, or ``blocked`` for a skip of the tests' own (not raised through
-    the package's code) that names a GPU, on a machine without one, or a tool of the toolchain."""
+    the package's code) that names a GPU, on a machine without one, Triton, on a machine where it
+    cannot be imported, or a tool of the toolchain. ``machine``: the report's environment."""
     reasons = record.get("reason", [])
     if record["outcome"] != "skipped" or record.get("skipped_in"):
         return record["outcome"]
-    if any(re.search(rubric.tools, r) for r in reasons) or (not gpus and any(re.search(rubric.blocked, r)
-                                                                             for r in reasons)):
-        return "blocked"
-    return record["outcome"]
+    lacks = [rubric.tools, *([] if machine.get("gpus") else [rubric.blocked]),
+             *([] if machine.get("triton") else [rubric.triton])]
+    return "blocked" if any(re.search(pattern, r) for pattern in lacks for r in reasons) else record["outcome"]
 
 
 def graded_files(directory: Path, stages: list[int]) -> dict[str, str]:
@@ -333,7 +361,8 @@ def grade_report(directory: Path, stages: list[int] | None = None, extra_tests: 
             report["extra_tests"] = {name: _digest(root / name) for name in extra_names}
             reference = PACKAGE_DIR if PACKAGE_DIR.resolve() != (directory / "minipaged") else None
             guard = {"package": str(root / "minipaged"), "tests": str(root / "tests"),
-                     "reference": str(reference) if reference else None, "out": str(root / "guard.json")}
+                     "reference": str(reference) if reference else None, "out": str(root / "guard.json"),
+                     "learners": [str(root / "minipaged" / name) for name in _stage_names()]}
             args = ["-m", " or ".join(f"stage{n}" for n in selected), *(["--collect-only"] if collect_only else [])]
             records = run_tests(root, *args, env={"MINIPAGED_GUARD": json.dumps(guard)})
             seen = json.loads((root / "guard.json").read_text()) if (root / "guard.json").is_file() else {}
@@ -355,7 +384,7 @@ def _stages(records: dict[str, dict], selected: list[int], rubric: Rubric, extra
         tests = []
         for nodeid in ids:
             record = records[nodeid]
-            status = "collected" if collect_only else _outcome(record, rubric, environment.get("gpus", []))
+            status = "collected" if collect_only else _outcome(record, rubric, environment)
             tests.append({"id": nodeid, "source": "extra" if nodeid.split("::")[0] in extra else "public",
                           "status": status, "weight": rubric.weight(nodeid), "points": points[nodeid],
                           "score": points[nodeid] if status == "passed" else 0.0,
@@ -402,13 +431,23 @@ def _score(report: dict, selected: list[int], rubric: Rubric) -> None:
 
 # --- what it prints and writes ---------------------------------------------------------------
 
+def exit_status(report: dict) -> int:
+    """``minipaged grade``'s exit status: 0 when nothing was refused, every graded stage is complete
+    or blocked (its points held back, to grade again where its tests run) and one at least is
+    complete; 1 otherwise. A stage with no tests is not done: its points are in the maximum."""
+    stages = [row["status"] for row in report["stages"]]
+    done = not report["refused"] and all(s in ("complete", "blocked") for s in stages)
+    return 0 if done and "complete" in stages else 1
+
+
 def rows(report: dict) -> list[StageResult]:
     """The report as the grade table's rows (blocked tests count as skipped)."""
     found = []
     for row in report["stages"]:
         failed = [t for t in row["tests"] if t["status"] == "failed"]
         found.append(StageResult(row["stage"], row["passed"], row["failed"], row["skipped"] + row["blocked"],
-                                 [t["id"] for t in failed], {t["id"]: t.get("reason", []) for t in failed}))
+                                 [t["id"] for t in failed], {t["id"]: t.get("reason", []) for t in failed},
+                                 row["blocked"]))
     return found
 
 
@@ -454,7 +493,7 @@ def format_report(report: dict) -> str:
     lines = [format_grades(rows(report), report["workspace_stage"])] if not report["refused"] else []
     for row in report["stages"]:
         held = (f" ({_points(row['blocked_points'])} held back of its {_points(row['points'])}: {row['blocked']} "
-                "blocked, for want of a GPU or a tool here)") if row["blocked"] else ""
+                "blocked, for want of a GPU, Triton or a tool here)") if row["blocked"] else ""
         lines.append(f"stage {row['stage']}: {_points(row['score'])}/{_points(row['max_points'])} points{held}")
     held = f" ({_points(report['blocked_points'])} held back: grade again where the blocked tests run)" \
         if report["blocked_points"] else ""
@@ -469,8 +508,9 @@ def format_report(report: dict) -> str:
 
 def format_rubric(report: dict) -> str:
     """The rubric: each stage's points, and each test's share as collected in the workspace."""
-    lines = [f"rubric: {_points(report['rubric']['total'])} points; tests skipped for want of a GPU "
-             f"(reason matching {report['rubric']['blocked']!r}) or of a tool ({report['rubric']['tools']!r}) "
+    rubric = report["rubric"]
+    lines = [f"rubric: {_points(rubric['total'])} points; tests skipped for want of a GPU (reason matching "
+             f"{rubric['blocked']!r}), of Triton ({rubric['triton']!r}) or of a tool ({rubric['tools']!r}) "
              "are blocked: held back, not failed"]
     lines.extend(f"  weight {w['weight']:g}: {w['match']}" for w in report["rubric"]["weights"])
     for row in report["stages"]:
@@ -493,8 +533,8 @@ def gradescope_results(report: dict, hidden: str = "after_published") -> dict:
             blocked = test["status"] == "blocked"
             output = "\n".join(test.get("reason", []))
             if blocked:
-                output = (f"blocked: needs a GPU or a tool this machine lacks; its {_points(test['points'])} points "
-                          "are held back, out of the maximum")
+                output = (f"blocked: needs a GPU, Triton or a tool this machine lacks; its {_points(test['points'])} "
+                          "points are held back, out of the maximum")
             entry = {"name": test["id"], "number": f"{row['stage']}.{number}",
                      "score": 0.0 if blocked else test["score"], "max_score": 0.0 if blocked else test["points"],
                      "output": output, "tags": [f"stage{row['stage']}", test["source"], test["status"]],

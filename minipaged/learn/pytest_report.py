@@ -8,23 +8,29 @@ test's ``reason`` is the line of the test where it failed (``path:line: source``
 ``assert``) and the first line of the error (``assert 2 == 3``, ``NotImplementedError: stage 1:
 ...``); a skipped test's is the reason it was skipped (``Skipped: needs a CUDA device``), and
 ``skipped_in`` names the package's line the skip was raised through, if it came from the
-package's code rather than from the test.
+package's code rather than from the test (``unittest.SkipTest`` too, which pytest turns into a skip
+of its own).
 
-With ``MINIPAGED_GUARD`` (a JSON object: ``package``, ``tests``, ``reference``, ``out``), it also
-watches the run for shortcuts: a file under the tests or under the reference package (the
-installed minipaged) opened by the learner's package, and modules loaded from the reference
-package; it writes what it saw, and the machine the tests ran on, to ``out``.
+With ``MINIPAGED_GUARD`` (a JSON object: ``package``, ``tests``, ``reference``, ``learners``,
+``out``), it also watches the run for shortcuts: a file under the tests or under the reference
+package (the installed minipaged) opened by the learner's package, a process or C code started
+by the learner's own files (``learners``; what those read, no hook here sees), and modules loaded
+from the reference package; it writes what it saw, and the machine the tests ran on, to ``out``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import os
 import platform
 import re
 import sys
+import sysconfig
+
+import pytest
 
 _STAGE = re.compile(r"stage(\d+)$")
 _records: dict[str, dict] = {}
@@ -86,16 +92,20 @@ def _package_line(tb) -> str | None:
     return found
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A skip raised through the package's code is the package's, not the test's: note where."""
-    import pytest
+    """A skip raised through the package's code is the package's, not the test's: note where.
 
-    excinfo = call.excinfo
+    A wrapper, so the exception is read as raised, before any plugin replaces it: pytest turns a
+    ``unittest.SkipTest`` into a skip of its own, raised from its own code."""
+    tb = call.excinfo.tb if call.excinfo is not None else None
+    report = yield
     record = _records.get(item.nodeid)
-    if record is not None and excinfo is not None and excinfo.errisinstance(pytest.skip.Exception):
-        where = _package_line(excinfo.tb)
+    if record is not None and tb is not None and report.skipped and not hasattr(report, "wasxfail"):
+        where = _package_line(tb)
         if where:
             record["skipped_in"] = where
+    return report
 
 
 def pytest_runtest_logreport(report):
@@ -122,8 +132,8 @@ def pytest_sessionfinish(session):
         _guard["findings"].extend(_foreign_modules(_guard["reference"], _guard["package"]))
         try:
             machine = environment()
-        except Exception as err:  # the GPUs were counted before the tested code ran: they are known
-            machine = {"gpus": [f"GPU {i}" for i in range(_GPUS)], "error": repr(err)[:WIDTH]}
+        except Exception as err:  # the GPUs and the versions were read before the tested code ran: they are known
+            machine = {**_VERSIONS, "gpus": [f"GPU {i}" for i in range(_GPUS)], "error": repr(err)[:WIDTH]}
         with open(_guard["out"], "w") as f:
             json.dump({"findings": _guard["findings"], "environment": machine}, f)
 
@@ -140,6 +150,7 @@ def _load_guard() -> dict:
     reference = _folder(spec.get("reference"))
     return {"package": package, "tests": tests, "learn": os.path.join(package, "learn", ""),
             "reference": None if reference == package else reference,
+            "learners": {os.path.realpath(name) for name in spec.get("learners", [])},
             "root": os.path.dirname(package.rstrip(os.sep)) + os.sep, "out": spec["out"], "findings": []}
 
 
@@ -158,9 +169,48 @@ def _learners_frame(guard: dict) -> str | None:
     return None
 
 
+def _passed_through(real: str) -> bool:
+    """Whether a frame's file (its real path) is the standard library's, or this plugin: frames a
+    call passes through on its way from the code that made it."""
+    return real == _HERE or (real.startswith(_STDLIB) and not _INSTALLED.search(real))
+
+
+def _starter(guard: dict) -> str | None:
+    """``file:line`` of the learner's own files when they start a process or call C themselves,
+    through the standard library only (``subprocess``, ``os.system``, ``ctypes``); ``None`` when
+    code they use does it (Triton runs ``ptxas``, torch loads its libraries, the package's own
+    server launcher starts ``minipaged serve`` for the tests), or multiprocessing (its children run
+    the learner's own Python: stage 11's workers), or the tests."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<"):  # ``<frozen os>``: the standard library's too
+            real = os.path.realpath(name)
+            if real.startswith(_MULTIPROCESSING):
+                return None
+            if not _passed_through(real):
+                return f"{os.path.relpath(real, guard['root'])}:{frame.f_lineno}" if real in guard["learners"] else None
+        frame = frame.f_back
+    return None
+
+
 def _audit(event: str, args: tuple) -> None:
-    """An audit hook: the learner's package opening a test's file or the reference package's."""
-    if event != "open" or _busy or not args or not isinstance(args[0], str | bytes | os.PathLike):
+    """An audit hook: the learner's package opening a test's file or the reference package's, or
+    starting a process or calling C, whose reads no hook of this process sees."""
+    if _busy:
+        return
+    if event in PROCESS_EVENTS:
+        _busy.append(True)
+        try:
+            where = _starter(_guard)
+            finding = {"rule": "reads-tests", "where": where,
+                       "reason": f"{event} while the tests run: what it reads, the grader cannot watch"}
+            if where and finding not in _guard["findings"]:
+                _guard["findings"].append(finding)
+        finally:
+            _busy.clear()
+        return
+    if event != "open" or not args or not isinstance(args[0], str | bytes | os.PathLike):
         return
     _busy.append(True)
     try:
@@ -203,18 +253,43 @@ def environment() -> dict:
     found: dict = {"python": platform.python_version(), "implementation": platform.python_implementation(),
                    "platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
                    "cpu_count": os.cpu_count()}
-    for package in ("torch", "triton", "pytest", "hypothesis"):
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
+    found.update(_VERSIONS)
     torch = sys.modules.get("torch")
     found["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
     found["gpus"] = [torch.cuda.get_device_name(i) for i in range(_GPUS)] if torch is not None else []
     return found
 
 
+def _versions() -> dict[str, str | None]:
+    """The version of each package the tests need, read as the plugin loads; ``None`` for one that
+    cannot be imported here (Triton is built for Linux on x86-64 only)."""
+    found: dict[str, str | None] = {}
+    for package in ("torch", "triton", "pytest", "hypothesis"):
+        try:
+            found[package] = importlib.metadata.version(package) if _importable(package) else None
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _importable(name: str) -> bool:
+    """Whether ``import name`` finds a module, without importing it (Triton must be imported after
+    its interpreter is switched on)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# What a learner's code may not start itself: a process, or C code (``ctypes``).
+PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                            "os.forkpty", "ctypes.dlopen", "ctypes.dlsym"})
+_INSTALLED = re.compile(r"[\\/](site|dist)-packages[\\/]")
+_STDLIB = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "") for key in ("stdlib", "platstdlib")})
+_MULTIPROCESSING = tuple(os.path.join(folder, "multiprocessing", "") for folder in _STDLIB)
+_HERE = os.path.realpath(__file__)
 _GPUS = _gpu_count()
+_VERSIONS = _versions()  # before any code under test runs, like the GPUs
 _guard = _load_guard()
 _package = _guard["package"] if _guard else os.path.join(os.path.realpath("minipaged"), "")
 _busy: list[bool] = []  # set while the hook runs: what it calls opens nothing watched, but never recurse
