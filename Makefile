@@ -37,9 +37,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# Every test but the site's, which runs once the site is built (docs-build).
+# Every test but the site's, which runs once the site is built (docs-build); a test process per
+# core (pytest-xdist), an idle one taking tests from the other's queue (a file's module fixtures
+# are then built once in each process that runs its tests).
 unit: $(STAMP)
-	$(PY) -m pytest -m "not docs" --durations=20
+	$(PY) -m pytest -m "not docs" -n auto --dist worksteal --durations=20
 
 # The stages that compare floating-point results, once more on ATen's portable kernels. Other CPUs
 # pick other SIMD kernels (AVX-512, AVX2 or none), which sum in other orders and round differently:
@@ -47,7 +49,7 @@ unit: $(STAMP)
 # bounds for any order) hold for it. Tests whose outcome no rounding can change (rounding_free:
 # processes, servers, compiled kernels) run once.
 unit-default-simd: $(STAMP)
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -p no:cacheprovider -q \
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -p no:cacheprovider -q -n auto --dist worksteal \
 		-m "(stage0 or stage4 or stage5 or stage7 or stage8 or stage9 or stage10 or stage11 or stage12) and not rounding_free" \
 		tests/test_stage*.py
 

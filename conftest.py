@@ -16,6 +16,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs a test process per core), one torch thread each: two
+# processes of two threads on two cores would only take the cores from one another.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parent
 if sys.path[:1] != [str(ROOT)]:
     sys.path.insert(0, str(ROOT))

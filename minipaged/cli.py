@@ -33,11 +33,14 @@ def _mutants(args: argparse.Namespace) -> int:
               "its catalogue quotes the solutions, so workspaces leave it out; run it in a clone of "
               "the minipaged repository", file=sys.stderr)
         return 2
-    from minipaged.learn.mutants import format_mutants, run_mutants
+    from minipaged.learn.mutants import KILLED_BY_FILE, format_mutants, record_killers, run_mutants
 
     results = run_mutants(args.stage, progress=lambda r: print(
         f"  stage {r.mutant.stage}: {r.mutant.name}: {r.killed_by or 'SURVIVED'}", file=sys.stderr, flush=True))
     print(format_mutants(results))
+    if args.record:
+        record_killers(results)
+        print(f"the killing tests recorded in {KILLED_BY_FILE}")
     return 0 if all(r.killed for r in results) else 1
 
 
@@ -199,6 +202,8 @@ def _add_learning_commands(sub) -> None:
 
     p = sub.add_parser("mutants", help="prove that each stage's tests catch its plausible wrong implementations")
     p.add_argument("--stage", type=int, action="append", help="only this stage's mutants (repeatable)")
+    p.add_argument("--record", action="store_true",
+                   help="keep each mutant's killing test, to run first next time (mutants_killed_by.json)")
     p.set_defaults(run=_mutants)
 
     p = sub.add_parser("kernels", help="compile stage 5's kernels for A100/H100 and read what the compiler made")

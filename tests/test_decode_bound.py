@@ -15,11 +15,11 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import string
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_page_numbers import NUMBER, assert_refuses_mutants, mutants, normalised, section_problems
 
 from minipaged import PagedKVCache
 from minipaged.perf.kernel_report import GPUS
@@ -111,37 +111,21 @@ FRAGMENTS = {
 PAPER = "7.00, 9.81, 13.62 and 30.42"  # Figure 13, as docs/references.md quotes it
 # Names whose digits are not numbers of the argument; link targets too.
 NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|A100-40GB|Figure \d+|图 \d+")
-NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
-_EN_WORD = r"(?:one|two|three|four|five|six|seven|eight|nine|ten)"
-NUMBER_WORDS = re.compile(rf"\b{_EN_WORD}(?:\s+(?:to|or)\s+{_EN_WORD})?\s+times\b|\btwice\b"
-                          r"|[一二两三四五六七八九十]+(?:到[一二两三四五六七八九十]+)?倍", re.IGNORECASE)
-_CJK = "\u2e80-\u9fff\u3000-\u303f\uff00-\uffef“”"
-
-
-def normalised(text: str) -> str:
-    """One line; a line break between Chinese characters is no space, as in Chinese prose."""
-    text = re.sub(rf"(?<=[{_CJK}])[ \t]*\n\s*(?=[{_CJK}])", "", text)
-    return " ".join(text.split())
 
 
 def problems(text: str, lang: str) -> list[str]:
     """What is wrong with the section's numbers: a fragment not found as computed, or a number (in
     digits, or a multiple in words) that no fragment accounts for."""
     n = numbers()
-    fragments = [fragment.format(**n) for fragment in FRAGMENTS[lang]]
-    found = [f"not found: {f!r}" for f in fragments if f not in text]
-    for fragment in sorted(fragments, key=len, reverse=True):
-        text = text.replace(fragment, " | ")
-    rest = NAMES.sub(" ", text)
-    left = NUMBER.findall(rest) + NUMBER_WORDS.findall(rest)
-    return found + [f"no fragment accounts for {number!r}" for number in left]
+    return section_problems(text, [fragment.format(**n) for fragment in FRAGMENTS[lang]], NAMES)
 
 
 STAGE0 = {"en": DOCS / "stages" / "0_contiguous.md", "zh": DOCS / "stages" / "0_contiguous.zh.md"}
+ANCHOR = "why-the-batch-decides-the-throughput"
 
 
 def stage0_section(lang: str) -> str:
-    return normalised(section(STAGE0[lang], "why-the-batch-decides-the-throughput"))
+    return normalised(section(STAGE0[lang], ANCHOR))
 
 
 def test_the_budget_is_the_papers_and_a_token_of_kv_is_what_a_real_cache_holds():
@@ -203,31 +187,11 @@ def test_the_papers_batches_are_the_ones_the_references_quote():
                for fragments in FRAGMENTS.values() for f in fragments)  # a fragment's own numbers are the paper's
 
 
-def _mutants(lang: str):
-    """Each fragment with one computed number off by a digit, or with two of its numbers traded."""
-    n = numbers()
-    for template in FRAGMENTS[lang]:
-        fields = list(dict.fromkeys(field for _, field, _, _ in string.Formatter().parse(template) if field))
-        original = template.format(**n)
-        for field in fields:
-            value = n[field]
-            wrong = value[:-1] + str((int(value[-1]) + 1) % 10)
-            yield f"{field} changed", original, template.format(**{**n, field: wrong})
-        distinct = [f for f in fields if n[f] != n[fields[0]]] if fields else []
-        if distinct:
-            a, b = fields[0], distinct[0]
-            yield f"{a} and {b} swapped", original, template.format(**{**n, a: n[b], b: n[a]})
-
-
 @pytest.mark.parametrize("lang", sorted(STAGE0))
 def test_the_check_refuses_a_changed_or_swapped_number(lang):
-    text = stage0_section(lang)
-    assert not problems(text, lang)
-    count = 0
-    for what, original, mutant in _mutants(lang):
-        assert problems(text.replace(original, mutant), lang), f"{lang}: {what} in {original!r} is not caught"
-        count += 1
-    assert count > 25
+    """Each fragment with one computed number off by a digit, or with two of its numbers traded."""
+    assert_refuses_mutants({ANCHOR: stage0_section(lang)}, lambda by_section: problems(by_section[ANCHOR], lang),
+                           mutants(((ANCHOR, template) for template in FRAGMENTS[lang]), numbers()), 25, lang)
 
 
 @pytest.mark.parametrize(("lang", "number", "wrong"), [

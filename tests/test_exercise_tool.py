@@ -335,6 +335,48 @@ def test_a_surviving_mutant_is_reported():
     assert "SURVIVED" in table and table.splitlines()[-1] == "mutants: 1/2 killed"
 
 
+def test_a_recorded_killer_runs_first_and_never_decides_the_verdict(tmp_path):
+    from minipaged.learn.mutants import Mutant, mutant_key, record_killers, recorded_killers, run_mutants
+
+    double_free = (("        if self._is_free[block_id]:\n            raise ValueError(",
+                    "        if False:\n            raise ValueError("),)
+    allocator = "tests/test_stage1_block_allocator.py::"
+    machine = allocator + "TestAllocatorMachine::runTest"  # fails under it, but is not the first test that does
+    first_run = [Mutant(1, "double free accepted, machine first", double_free),
+                 Mutant(1, "double free accepted, a passing test first", double_free),
+                 Mutant(1, "double free accepted, a test that is gone first", double_free),
+                 Mutant(1, "an equivalent rewrite", (("return len(self._free_stack)",
+                                                      "return len(self._free_stack) + 0"),))]
+    first = [machine, allocator + "test_lowest_ids_first_and_freed_blocks_are_reused",
+             allocator + "test_no_such_test", machine]
+    results = run_mutants(catalogue=first_run, jobs=1,
+                          killed_by={mutant_key(mu): test for mu, test in zip(first_run, first, strict=True)})
+    assert [r.killed for r in results] == [True, True, True, False]
+    assert results[0].killed_by == machine
+    assert results[1].killed_by == results[2].killed_by == allocator + "test_double_free_is_refused_and_changes_nothing"
+
+    record = tmp_path / "killed_by.json"
+    record.write_text('{"1: a mutant no longer catalogued": "tests/x.py::test_x"}')
+    record_killers(results, record, catalogue=first_run)
+    assert recorded_killers(record) == {mutant_key(r.mutant): r.killed_by for r in results if r.killed}
+
+
+def test_the_recorded_killers_are_every_catalogued_mutants_and_name_tests_that_exist():
+    from minipaged.learn.mutants import CATALOGUE, mutant_key, recorded_killers, stage_test_files
+
+    killers = recorded_killers()
+    assert len({mutant_key(mu) for mu in CATALOGUE}) == len(CATALOGUE), "two mutants of a stage share a name"
+    assert set(killers) == {mutant_key(mu) for mu in CATALOGUE}, "run: minipaged mutants --record"
+    for key, test in killers.items():
+        path, name = test.split("[")[0].split("::")[:2]
+        assert path in stage_test_files(REPO_DIR, int(key.split(":")[0])), (key, test)
+        tree = ast.parse((REPO_DIR / path).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+        defined |= {target.id for node in tree.body if isinstance(node, ast.Assign)  # a state machine's TestCase
+                    for target in node.targets if isinstance(target, ast.Name)}
+        assert name in defined, (key, test)
+
+
 def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
     """The catalogue collects only the files ``stage_test_files`` names: every test pytest marks
     ``stageN`` must be in one of them, however its mark was given."""

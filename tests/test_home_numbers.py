@@ -17,12 +17,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-import string
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_page_numbers import NUMBER, assert_refuses_mutants, mutants, normalised, section_problems
 
 from minipaged.common.config import EngineConfig
 from minipaged.models import ModelConfig
@@ -141,17 +141,6 @@ LIST_ITEM = re.compile(r"^[ \t]*\d+\. ", re.MULTILINE)  # "1. the cache is cut .
 HEADING = re.compile(r"^(#{2,3}) (?:\d+\. )?(.*?)(?: \{#([\w-]+)\})?[ \t]*$", re.MULTILINE)
 NAMES = re.compile(r"\]\([^)]*\)|OPT-13B|\bfp16\b|\bpow2\b|§\d+|\bV[01]\b|[Ss]tages? \d+"
                    r"|30 seconds|2 minutes|30 秒版|2 分钟版")
-NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
-_EN_WORD = r"(?:one|two|three|four|five|six|seven|eight|nine|ten)"
-NUMBER_WORDS = re.compile(rf"\b{_EN_WORD}(?:\s+(?:to|or)\s+{_EN_WORD})?\s+times\b|\btwice\b"
-                          r"|[一二两三四五六七八九十]+(?:到[一二两三四五六七八九十]+)?倍", re.IGNORECASE)
-_CJK = "\u2e80-\u9fff\u3000-\u303f\uff00-\uffef“”"
-
-
-def normalised(text: str) -> str:
-    """One line; a line break between Chinese characters is no space, as in Chinese prose."""
-    text = re.sub(rf"(?<=[{_CJK}])[ \t]*\n\s*(?=[{_CJK}])", "", text)
-    return " ".join(text.split())
 
 
 def sections(text: str) -> dict[str, str]:
@@ -167,13 +156,8 @@ def problems(by_section: dict[str, str], lang: str) -> list[str]:
     """A fragment not found in its section as computed, or a number no fragment accounts for."""
     n, found = computed(), []
     for name in STORY[lang]:
-        body = by_section[name]
         fragments = [f.format(**n) for f in FRAGMENTS[lang].get(name, [])]
-        found += [f"{name}: not found: {f!r}" for f in fragments if f not in body]
-        for fragment in sorted(fragments, key=len, reverse=True):
-            body = body.replace(fragment, " | ")
-        rest = NAMES.sub(" ", body)
-        found += [f"{name}: no fragment accounts for {x!r}" for x in NUMBER.findall(rest) + NUMBER_WORDS.findall(rest)]
+        found += section_problems(by_section[name], fragments, NAMES, f"{name}: ")
     return found
 
 
@@ -198,33 +182,12 @@ def test_a_fragments_own_numbers_are_quoted_figures_or_inputs():
                 assert not unknown, f"{lang} {name}: {fragment!r} writes {unknown}, which nothing quotes"
 
 
-def _mutants(lang: str):
-    """Each fragment with one computed number off by a digit, or two of its numbers traded."""
-    n = computed()
-    for name, fragments in FRAGMENTS[lang].items():
-        for template in fragments:
-            fields = list(dict.fromkeys(f for _, f, _, _ in string.Formatter().parse(template) if f))
-            original = template.format(**n)
-            for field in fields:
-                value = n[field]
-                wrong = value[:-1] + str((int(value[-1]) + 1) % 10) if value[-1].isdigit() else value + "x"
-                yield name, f"{field} changed", original, template.format(**{**n, field: wrong})
-            distinct = [f for f in fields if n[f] != n[fields[0]]] if fields else []
-            if distinct:
-                a, b = fields[0], distinct[0]
-                yield name, f"{a} and {b} swapped", original, template.format(**{**n, a: n[b], b: n[a]})
-
-
 @pytest.mark.parametrize("lang", sorted(PAGES))
 def test_the_check_refuses_a_changed_or_swapped_number(lang):
-    by_section = sections(PAGES[lang].read_text(encoding="utf-8"))
-    assert not problems(by_section, lang)
-    count = 0
-    for name, what, original, mutant in _mutants(lang):
-        wrong = {**by_section, name: by_section[name].replace(original, mutant)}
-        assert problems(wrong, lang), f"{lang}: {what} in {original!r} is not caught"
-        count += 1
-    assert count > {"en": 6, "zh": 25}[lang]
+    """Each fragment with one computed number off by a digit, or two of its numbers traded."""
+    templates = ((name, template) for name, fragments in FRAGMENTS[lang].items() for template in fragments)
+    assert_refuses_mutants(sections(PAGES[lang].read_text(encoding="utf-8")), lambda wrong: problems(wrong, lang),
+                           mutants(templates, computed()), {"en": 6, "zh": 25}[lang], lang)
 
 
 @pytest.mark.parametrize(("lang", "number", "wrong"), [

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_page_numbers import NUMBER, assert_refuses_mutants, mutants, normalised, section_problems
 
 from minipaged import BlockAllocator, BlockSpaceManager, PrefixCachingAllocator, PrefixCachingBlockSpaceManager
 from minipaged.models import ModelConfig, build_model
@@ -64,11 +65,6 @@ WORDS = {"en": {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 
 NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|Llama-3-8B|Llama-3-70B|A100-40GB|b?float16|[Ff][Pp]8"
                    r"|\bV[01]\b|[Ss]tages? \d+(?: (?:to|到) \d+)?|Figure \d+[ab]?|\bp99\b"
                    r"|30 seconds|2 minutes|30 秒版|2 分钟版")
-NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
-# A multiple written in words: "two to four times", "twice", 两到四倍.
-_EN_WORD = r"(?:one|two|three|four|five|six|seven|eight|nine|ten)"
-NUMBER_WORDS = re.compile(rf"\b{_EN_WORD}(?:\s+(?:to|or)\s+{_EN_WORD})?\s+times\b|\btwice\b"
-                          r"|[一二两三四五六七八九十]+(?:到[一二两三四五六七八九十]+)?倍", re.IGNORECASE)
 
 
 def weight_bytes(hf: dict, dtype: torch.dtype) -> int:
@@ -364,17 +360,10 @@ QUOTED = {
 # min(1, p/q) and max(0, p − q), 1/tp, and the block sizes and tp degrees the benchmarks run.
 INPUTS = {"0", "1", "2", "4", "16", "32", "64", "128"}
 HEADING = re.compile(r"^#{1,6} .*?(?:\{#([\w-]+)\})?[ \t]*$", re.MULTILINE)
-_CJK = "\u2e80-\u9fff\u3000-\u303f\uff00-\uffef“”"
 
 
 def language(page: Path) -> str:
     return "zh" if page.name.endswith(".zh.md") else "en"
-
-
-def normalised(text: str) -> str:
-    """One line; a line break between Chinese characters is no space, as in Chinese prose."""
-    text = re.sub(rf"(?<=[{_CJK}])[ \t]*\n\s*(?=[{_CJK}])", "", text)
-    return " ".join(text.split())
 
 
 def sections(text: str) -> dict[str, str]:
@@ -397,13 +386,7 @@ def problems(by_section: dict[str, str], lang: str) -> list[str]:
     found = []
     assert set(FRAGMENTS) <= set(by_section), f"no such sections: {set(FRAGMENTS) - set(by_section)}"
     for name, body in by_section.items():
-        fragments = expected(name, lang)
-        found += [f"{name}: not found: {f!r}" for f in fragments if f not in body]
-        for fragment in sorted(fragments, key=len, reverse=True):
-            body = body.replace(fragment, " | ")
-        rest = NAMES.sub(" ", body)
-        left = NUMBER.findall(rest) + NUMBER_WORDS.findall(rest)
-        found += [f"{name}: no fragment accounts for {number!r}" for number in left]
+        found += section_problems(body, expected(name, lang), NAMES, f"{name}: ")
     return found
 
 
@@ -438,35 +421,13 @@ def test_a_fragments_own_numbers_are_quoted_figures_or_inputs():
                 assert not unknown, f"{name} ({lang}): {fragment!r} writes {unknown}, which nothing quotes"
 
 
-def _mutants(lang: str):
-    """A fragment with one computed number changed, or with two of its numbers swapped."""
-    n = computed()
-    for name, per in FRAGMENTS.items():
-        for template in per[lang]:
-            fields = [field for _, field, _, _ in string.Formatter().parse(template) if field]
-            original = template.format(**n)
-            for field in dict.fromkeys(fields):
-                value = n[field]
-                wrong = (value[:-1] + str((int(value[-1]) + 1) % 10)) if value[-1].isdigit() else value + "x"
-                yield name, f"{field} changed", original, template.format(**{**n, field: wrong})
-            distinct = [f for f in dict.fromkeys(fields) if n[f] != n[fields[0]]]
-            if distinct:
-                a, b = fields[0], distinct[0]
-                yield name, f"{a} and {b} swapped", original, template.format(**{**n, a: n[b], b: n[a]})
-
-
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_the_check_refuses_a_changed_or_swapped_number(page):
     """Every fragment, mutated in the page: one number off by a digit, or two of its numbers traded."""
-    by_section, lang = sections(page.read_text(encoding="utf-8")), language(page)
-    assert not problems(by_section, lang)
-    count = 0
-    for name, what, original, mutant in _mutants(lang):
-        assert original in by_section[name]
-        wrong = {**by_section, name: by_section[name].replace(original, mutant)}
-        assert problems(wrong, lang), f"{page.name}: {what} in {original!r} is not caught"
-        count += 1
-    assert count > 100
+    lang = language(page)
+    templates = ((name, template) for name, per in FRAGMENTS.items() for template in per[lang])
+    assert_refuses_mutants(sections(page.read_text(encoding="utf-8")), lambda wrong: problems(wrong, lang),
+                           mutants(templates, computed()), 100, page.name)
 
 
 @pytest.mark.parametrize(("page", "number", "wrong"), [

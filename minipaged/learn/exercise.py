@@ -192,8 +192,9 @@ def stub_source(source: str, stage: int, tutorial: str, filename: str = "<source
 
 # Written by tools, never by the learner: --force replaces a workspace that holds only these.
 CACHES = ("__pycache__", ".pytest_cache", ".hypothesis")
-# Left out of every workspace: its patches quote the solutions of every stage.
-ANSWER_FILES = ("mutants.py",)
+# Left out of every workspace: the catalogue's patches quote the solutions of every stage, and
+# its record names each wrong implementation.
+ANSWER_FILES = ("mutants.py", "mutants_killed_by.json")
 WORKSPACE_CELL = (
     "# This notebook is in an exercise workspace: import the workspace's minipaged (your code),\n"
     "# not an installed one. Run this cell first.\n"

@@ -8,11 +8,17 @@ inside a solution region of one of its stage's files (the one that holds it). ``
 copies the package and the tests once per stage, applies each mutant in turn, runs that
 stage's tests until the first failure, and reports which test killed it. A mutant that no test kills is a hole in the
 specification: ``minipaged mutants`` exits non-zero and names it.
+
+Each mutant's run starts with the test that killed it last time (``mutants_killed_by.json``,
+written by ``minipaged mutants --record``), alone: most die there, in a fraction of their
+stage's run. Where that test no longer fails (it was renamed, the mutant or the test changed),
+the whole stage runs as before; the record changes the order, never a verdict.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import queue
@@ -483,6 +489,28 @@ class MutantResult:
         return self.killed_by is not None
 
 
+KILLED_BY_FILE = Path(__file__).with_name("mutants_killed_by.json")
+
+
+def mutant_key(mutant: Mutant) -> str:
+    return f"{mutant.stage}: {mutant.name}"
+
+
+def recorded_killers(path: Path = KILLED_BY_FILE) -> dict[str, str]:
+    """The test that killed each mutant in the recorded run, by ``mutant_key`` (empty without a record)."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def record_killers(results: list[MutantResult], path: Path = KILLED_BY_FILE,
+                   catalogue: list[Mutant] | None = None) -> None:
+    """Keep each killed mutant's test for the next run; mutants no longer catalogued are dropped."""
+    names = {mutant_key(mu) for mu in (CATALOGUE if catalogue is None else catalogue)}
+    killers = {key: test for key, test in recorded_killers(path).items() if key in names}
+    killers.update({mutant_key(r.mutant): r.killed_by for r in results
+                    if r.killed_by is not None and "::" in r.killed_by})
+    path.write_text(json.dumps(dict(sorted(killers.items())), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def stage_sources(stage: int, package_dir: Path) -> dict[str, str]:
     """The text of each file of ``stage`` in ``package_dir``, by file name: what ``apply_mutant`` patches."""
     return {path.name: path.read_text() for path in stage_files(package_dir)[stage]}
@@ -545,11 +573,21 @@ def _pytest_in_workspace(workspace: str, args: list[str], log: str) -> None:
     sys.exit(int(code))  # multiprocessing makes it the child's exit code
 
 
-def _first_failure(workspace: Path, stage: int) -> str | None:
+def _first_failure(workspace: Path, stage: int, first: str | None = None) -> str | None:
+    """The first of ``stage``'s tests to fail in ``workspace`` ("timeout" if they hang), or None.
+    ``first``, a test's node id, runs alone before the others; only if it passes (or is no
+    stage test of this workspace) do the others run."""
     # plugins no stage test uses, each a fraction of a second to import (nbmake's alone about one)
     args = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbmake", "-p", "no:anyio", "-p", "no:benchmark",
-            "-m", f"stage{stage}", "-o", "addopts=--strict-markers", "--tb=no", "-rf",
-            *stage_test_files(workspace, stage)]
+            "-p", "no:xdist", "-m", f"stage{stage}", "-o", "addopts=--strict-markers", "--tb=no", "-rf"]
+    if first is not None:
+        failed = _run_pytest(workspace, [*args, first])
+        if failed is not None and (failed == "timeout" or "::" in failed):
+            return failed
+    return _run_pytest(workspace, [*args, *stage_test_files(workspace, stage)])
+
+
+def _run_pytest(workspace: Path, args: list[str]) -> str | None:
     log = workspace / ".mutant-run.log"
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -570,13 +608,15 @@ def _first_failure(workspace: Path, stage: int) -> str | None:
 
 def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None = None,
                 repo_dir: Path = REPO_DIR, progress: Callable[[MutantResult], None] | None = None,
-                jobs: int | None = None) -> list[MutantResult]:
+                jobs: int | None = None, killed_by: dict[str, str] | None = None) -> list[MutantResult]:
     """Apply every mutant of ``stages`` to a copy of the package; run its stage's tests until one fails.
 
-    ``jobs`` workspaces run side by side (default: one per CPU, at most 2); results keep the
-    catalogue's order.
+    ``killed_by`` (default: the recorded run's, ``recorded_killers()``) names, by ``mutant_key``,
+    the test to run first. ``jobs`` workspaces run side by side (default: one per CPU, at most 2);
+    results keep the catalogue's order.
     """
     catalogue = CATALOGUE if catalogue is None else catalogue
+    killed_by = recorded_killers() if killed_by is None else killed_by
     chosen = [mu for mu in catalogue if stages is None or mu.stage in stages]
     sources = {stage: stage_sources(stage, repo_dir / "minipaged") for stage in {mu.stage for mu in chosen}}
     for mutant in chosen:  # every patch must apply before anything runs
@@ -596,7 +636,8 @@ def run_mutants(stages: list[int] | None = None, catalogue: list[Mutant] | None 
             try:
                 for name in changed:
                     (package / name).write_text(mutated[name])
-                result = MutantResult(mutant, _first_failure(workspace, mutant.stage))
+                first = killed_by.get(mutant_key(mutant))
+                result = MutantResult(mutant, _first_failure(workspace, mutant.stage, first))
             finally:
                 for name in changed:
                     (package / name).write_text(original[name])
