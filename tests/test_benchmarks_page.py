@@ -263,6 +263,19 @@ def test_throughput(name: str, index: int, tps: str):
          ct2.format(r["ratio_ct2"])] for r in rows]
 
 
+def test_the_throughput_ceiling_with_nothing_outside_the_forward():
+    """Minipaged's rate over its share of time in the forward: what it would reach if scheduling,
+    bookkeeping, inputs and sampling cost nothing."""
+    rows = result("throughput")["rows"]
+    ceiling = [f"{r['ratio_cb'] / (1 - r['outside_forward']):.1f}×" for r in rows]
+    batches = [f"{r['batch']}" for r in rows]
+    first = rows[0]
+    assert (f"at most {ceiling[0]}, {ceiling[1]} and {ceiling[2]} continuous batching's rate at batch "
+            f"{batches[0]}, {batches[1]} and {batches[2]}" in text_of("throughput.py"))
+    assert (f"and {first['ratio'] / (1 - first['outside_forward']):.1f}× `generate`'s at batch {first['batch']}"
+            in text_of("throughput.py"))
+
+
 def test_threads_on_a_busy_machine():
     rows = {(r["condition"], r["threads"]): r["tokens_per_s"] for r in result("threads")["rows"]}
     (table,) = english_tables()["threads.py"]
