@@ -496,6 +496,11 @@ def mutant_key(mutant: Mutant) -> str:
     return f"{mutant.stage}: {mutant.name}"
 
 
+def names_a_test(killed_by: str) -> bool:
+    """A node id (``tests/f.py::test_x``), not "timeout" nor a file that failed to collect."""
+    return "::" in killed_by
+
+
 def recorded_killers(path: Path = KILLED_BY_FILE) -> dict[str, str]:
     """The test that killed each mutant in the recorded run, by ``mutant_key`` (empty without a record)."""
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -507,7 +512,7 @@ def record_killers(results: list[MutantResult], path: Path = KILLED_BY_FILE,
     names = {mutant_key(mu) for mu in (CATALOGUE if catalogue is None else catalogue)}
     killers = {key: test for key, test in recorded_killers(path).items() if key in names}
     killers.update({mutant_key(r.mutant): r.killed_by for r in results
-                    if r.killed_by is not None and "::" in r.killed_by})
+                    if r.killed_by is not None and names_a_test(r.killed_by)})
     path.write_text(json.dumps(dict(sorted(killers.items())), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -582,7 +587,7 @@ def _first_failure(workspace: Path, stage: int, first: str | None = None) -> str
             "-p", "no:xdist", "-m", f"stage{stage}", "-o", "addopts=--strict-markers", "--tb=no", "-rf"]
     if first is not None:
         failed = _run_pytest(workspace, [*args, first])
-        if failed is not None and (failed == "timeout" or "::" in failed):
+        if failed is not None and (failed == "timeout" or names_a_test(failed)):
             return failed
     return _run_pytest(workspace, [*args, *stage_test_files(workspace, stage)])
 
