@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
-from minipaged.models import AttentionMetadata, CausalLM
+from minipaged.models import CausalLM
 from minipaged.stage2_block_table import PagedKVCache
+from minipaged.stage7_model_runner import build_attention_metadata
 
 if TYPE_CHECKING:  # the engine's requests, named in annotations only
     from minipaged.stage7_engine import Request
@@ -144,14 +145,9 @@ class V1ModelRunner:
         token_ids = batch.token_ids[owner, positions]  # (num_tokens,)
         slot_mapping = batch.block_table[owner, positions // size].astype(np.int64) * size + positions % size
         seq_lens = batch.num_computed_tokens[rows] + counts  # (num_reqs,) context after this step
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
-            block_tables=torch.from_numpy(batch.block_table[rows, :batch.num_blocks[rows].max()]).to(self.device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
-            query_start_loc=None if counts.max() == 1 else torch.from_numpy(
-                np.concatenate([[0], ends]).astype(np.int32)).to(self.device),
-            backend=self.backend,
-        )
+        meta = build_attention_metadata(
+            self.cache, slot_mapping, batch.block_table[rows, :batch.num_blocks[rows].max()], seq_lens.astype(np.int32),
+            None if counts.max() == 1 else np.concatenate([[0], ends]).astype(np.int32), self.backend)
         done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
         logits_indices = np.concatenate([(ends - 1)[done],
                                          self.prompt_logits_indices(out, batch.num_computed_tokens[rows], ends)])
@@ -159,7 +155,8 @@ class V1ModelRunner:
             hidden = self.model(torch.from_numpy(token_ids).to(self.device),
                                 torch.from_numpy(positions).to(self.device), self.cache, meta)
             batch.num_computed_tokens[rows] = seq_lens
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)]).float()
+            logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(logits_indices).to(self.device)))
+            logits = logits.float()
         return [r for r, d in zip(out.num_scheduled_tokens, done.tolist(), strict=True) if d], logits
         # END SOLUTION
 

@@ -53,6 +53,7 @@ from minipaged import stage9_prefix_caching, stage10_v1_scheduler
 from minipaged.common.config import ResolvedEngineConfig
 from minipaged.models import AttentionMetadata, CausalLM, ModelConfig
 from minipaged.models.parallel import check_tensor_parallel
+from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage11_worker import StepInputs, Worker, WorkerConfig, run_worker
 
 START_TIMEOUT_S = 300.0  # loading a shard
@@ -239,7 +240,8 @@ class StepHidden:
     cache: RemoteKVCache
     meta: AttentionMetadata
 
-    def __getitem__(self, logits_indices: torch.Tensor) -> StepRows:
+    def index_select(self, dim: int, logits_indices: torch.Tensor) -> StepRows:
+        """The rows the runner asks for, as it asks a model's hidden states (``dim`` is 0)."""
         return StepRows(self, logits_indices)
 
 
@@ -283,9 +285,13 @@ class RemoteKVCache:
     The block moves the runner applies here are kept for the step they belong to; ``gather``
     asks every worker for its heads of a sequence and puts the heads back together."""
 
-    def __init__(self, executor: Executor, model_config: ModelConfig, device: torch.device) -> None:
+    check_slot_mapping = PagedKVCache.check_slot_mapping  # the same check, on the same shape
+
+    def __init__(self, executor: Executor, model_config: ModelConfig, device: torch.device, num_blocks: int,
+                 block_size: int) -> None:
         self.executor, self.model_config = executor, model_config
-        self.key_cache = self.value_cache = [torch.empty(0, device=device)] * model_config.num_layers  # no K/V here
+        no_kv = torch.empty(num_blocks, block_size, 0, 0, device=device)  # the shape of the workers' blocks, no K/V
+        self.key_cache = self.value_cache = [no_kv] * model_config.num_layers
         self.moves: dict[str, list[tuple[int, int]]] = {"blocks_to_swap_out": [], "blocks_to_swap_in": [],
                                                         "blocks_to_copy": []}
 
@@ -347,7 +353,8 @@ class TensorParallelLLM:
     def build_cache(self) -> Any:
         if self.executor is None:
             return super().build_cache()  # type: ignore[misc]
-        return RemoteKVCache(self.executor, self.model_config, self.device)
+        return RemoteKVCache(self.executor, self.model_config, self.device, self.config.num_gpu_blocks,
+                             self.config.block_size)
 
     def check_health(self) -> None:
         """``WorkerDiedError`` if a worker is gone (vLLM's ``check_health``)."""

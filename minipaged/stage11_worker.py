@@ -118,19 +118,14 @@ class Worker:
         self.cache.swap_out(step.blocks_to_swap_out)
         self.cache.swap_in(step.blocks_to_swap_in)
         self.cache.copy_blocks(step.blocks_to_copy)
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
-            block_tables=torch.from_numpy(step.block_tables).to(device),
-            seq_lens=torch.from_numpy(step.seq_lens).to(device),
-            query_start_loc=(None if step.query_start_loc is None
-                             else torch.from_numpy(step.query_start_loc).to(device)),
-            backend=backend_named(step.attention_backend),
-        )
+        device = self.device  # the driver checked the step's metadata on its host: copied here as it is
+        meta = AttentionMetadata.from_host(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
+                                           backend_named(step.attention_backend), device)
         with torch.inference_mode():
             input_ids, positions = torch.from_numpy(step.input_ids), torch.from_numpy(step.positions)
             hidden = self.model(input_ids.to(device), positions.to(device), self.cache, meta)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(device)]).float()
+            logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(step.logits_indices).to(device)))
+            logits = logits.float()
         return logits.cpu().numpy() if self.rank == 0 else None
         # END SOLUTION
 

@@ -90,9 +90,10 @@ class RejectionSampler:
             apply_penalties(row, [context], [params], self.eos_token_ids)
         if params.temperature == 0:
             return row[0]
-        vocab = row.shape[1]
-        top_k = torch.tensor([params.top_k if 0 < params.top_k < vocab else vocab])
-        return top_k_top_p(row / params.temperature, top_k, torch.tensor([params.top_p]))[0]
+        vocab, device = row.shape[1], row.device
+        top_k = torch.tensor([params.top_k], device=device) if 0 < params.top_k < vocab else None
+        top_p = torch.tensor([params.top_p], device=device) if params.top_p < 1 else None
+        return top_k_top_p(row / params.temperature, top_k, top_p)[0]
 
     def __call__(self, logits: torch.Tensor, prompt_token_ids: list[int], output_token_ids: list[int],
                  generator: torch.Generator | None, params: SamplingParams, draft_token_ids: list[int],
@@ -132,7 +133,7 @@ class RejectionSampler:
         # BEGIN SOLUTION accept with min(1, p/q); on rejection draw from max(0, p - q) renormalised
         if draft is None or q is None:
             return int(torch.multinomial(p, 1, generator=generator))
-        if float(torch.rand(1, generator=generator)) < min(1.0, float(p[draft] / q[draft])):
+        if float(torch.rand(1, generator=generator, device=p.device)) < min(1.0, float(p[draft] / q[draft])):
             return draft
         residual = (p - q).clamp(min=0)
         if float(residual.sum()) <= 0:  # p = q up to rounding: the draft is p's own draw
@@ -144,8 +145,8 @@ class RejectionSampler:
                params: SamplingParams) -> None:
         """The token, with its log-probability as the ``logprobs_mode`` says (``Sampler``'s rule)."""
         source = raw if self.logprobs_mode.startswith("raw") else target
-        chosen, top = compute_logprobs(source[None], [token], [params.logprobs],
-                                       as_logits=self.logprobs_mode.endswith("logits"))
+        sampled = compute_logprobs(source[None], [token], [params.logprobs],
+                                   as_logits=self.logprobs_mode.endswith("logits"))
         out.token_ids.append(token)
-        out.logprobs.append(chosen[0])
-        out.top_logprobs.append(top[0])
+        out.logprobs.append(sampled.logprobs[0])
+        out.top_logprobs.append(sampled.top_logprobs[0])

@@ -235,8 +235,25 @@ class PagedKVCache:
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # END SOLUTION
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store K/V ``(num_tokens, num_kv_heads, head_dim)`` at ``slot_mapping``; -1 = skip."""
+    def check_slot_mapping(self, slot_mapping: torch.Tensor | np.ndarray, *, skip: bool = True) -> None:
+        """``ValueError`` unless every entry is a slot of this cache (``0 .. num_slots - 1``), or -1
+        where ``skip`` allows it. It reads every value: on a GPU, checking a device tensor waits for
+        the device, so an engine checks its step's mapping once, on the host, before the forward."""
+        slots = slot_mapping.cpu().numpy() if isinstance(slot_mapping, torch.Tensor) else np.asarray(slot_mapping)
+        num_slots = self.key_cache[0].shape[0] * self.key_cache[0].shape[1]
+        if slots.size and (slots.max() >= num_slots or slots.min() < (-1 if skip else 0)):
+            raise ValueError(f"slots must be in 0 .. {num_slots - 1}{' or -1' if skip else ''}; "
+                             f"got {slots.min()} .. {slots.max()}")
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+              checked: bool = False) -> None:
+        """Store K/V ``(num_tokens, num_kv_heads, head_dim)`` at ``slot_mapping``; -1 = skip.
+
+        Shapes are checked on every call: they are known on the host. The slots' values are checked
+        (``check_slot_mapping``) and the -1 entries skipped here unless ``checked``: the caller has
+        checked the mapping on the host already and it holds no -1, so nothing is read back, and the
+        model's layers write without waiting for the device.
+        """
         # BEGIN SOLUTION view the cache as (num_slots, heads, dim), check, scatter the kept rows
         k_flat = self.key_cache[layer].view(-1, *self.key_cache[layer].shape[2:])
         v_flat = self.value_cache[layer].view(-1, *self.value_cache[layer].shape[2:])
@@ -244,11 +261,11 @@ class PagedKVCache:
         for name, t in (("key", key), ("value", value)):
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-        if slot_mapping.numel() and int(slot_mapping.max()) >= k_flat.shape[0]:
-            raise ValueError(f"slot {int(slot_mapping.max())} is outside the cache ({k_flat.shape[0]} slots)")
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):  # -1: a token whose K/V are not stored
-            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        if not checked:  # each of these reads the mapping back: once per call, never per layer in an engine
+            self.check_slot_mapping(slot_mapping)
+            keep = slot_mapping >= 0
+            if not bool(keep.all()):  # -1: a token whose K/V are not stored
+                slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
         k_flat[slot_mapping] = key.to(k_flat.dtype)
         v_flat[slot_mapping] = value.to(v_flat.dtype)
         # END SOLUTION

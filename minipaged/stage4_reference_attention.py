@@ -30,6 +30,7 @@ The arguments are vLLM's:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -79,31 +80,43 @@ def check_paged_attention_args(
         if query.shape[0] != num_seqs:
             _fail("query", f"one decode query per sequence ({num_seqs}, ...) without query_start_loc",
                   tuple(query.shape))
-        query_lens = torch.ones_like(seq_lens)
+    elif query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_seqs + 1,):
+        _fail("query_start_loc", f"int32 ({num_seqs + 1},)", f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    check_attention_metadata(block_tables.cpu().numpy(), seq_lens.cpu().numpy(),
+                             None if query_start_loc is None else query_start_loc.cpu().numpy(),
+                             num_tokens=query.shape[0], num_blocks=num_blocks, block_size=block_size)
+
+
+def check_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray | None, *,
+                             num_tokens: int, num_blocks: int, block_size: int) -> None:
+    """The checks that read the metadata's values, on host arrays: ``query_start_loc`` from 0 to
+    ``num_tokens``, never decreasing; each ``seq_len`` at least 1, at least its number of queries, and
+    within its table's width; the table entries in use in ``0 .. num_blocks - 1``.
+
+    An engine runs them once per step on the host copies it builds; ``check_paged_attention_args``
+    runs them on a call's tensors, which first copies them to the host: on a GPU, that waits for
+    the device, so no engine does it in every layer."""
+    if query_start_loc is None:
+        query_lens = np.ones_like(seq_lens)
     else:
-        if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_seqs + 1,):
-            _fail("query_start_loc", f"int32 ({num_seqs + 1},)",
-                  f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != query.shape[0] or bool((query_lens < 0).any()):
-            _fail("query_start_loc", f"non-decreasing from 0 to num_tokens={query.shape[0]}",
-                  query_start_loc.tolist())
-    if num_seqs and bool((seq_lens < query_lens).any() or (seq_lens < 1).any()):
+        query_lens = np.diff(query_start_loc)
+        if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (query_lens < 0).any():
+            _fail("query_start_loc", f"non-decreasing from 0 to num_tokens={num_tokens}", query_start_loc.tolist())
+    if seq_lens.size and ((seq_lens < query_lens).any() or (seq_lens < 1).any()):
         _fail("seq_lens", "at least 1, and at least each sequence's number of queries", seq_lens.tolist())
-    blocks_needed = (seq_lens.long() + block_size - 1) // block_size
-    if num_seqs and int(blocks_needed.max()) > block_tables.shape[1]:
+    blocks_needed = (seq_lens.astype(np.int64) + block_size - 1) // block_size
+    if seq_lens.size and blocks_needed.max() > block_tables.shape[1]:
         _fail("seq_lens", f"at most {block_tables.shape[1]} blocks x {block_size} tokens per sequence "
               "(the width of block_tables)", seq_lens.tolist())
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < blocks_needed[:, None]
-    ids = block_tables[used]
-    if ids.numel() and bool(((ids < 0) | (ids >= num_blocks)).any()):
+    ids = block_tables[np.arange(block_tables.shape[1])[None, :] < blocks_needed[:, None]]
+    if ids.size and ((ids < 0) | (ids >= num_blocks)).any():
         _fail("block_tables", f"block ids in 0 .. {num_blocks - 1} for the blocks in use",
               sorted(set(ids[(ids < 0) | (ids >= num_blocks)].tolist())))
 
 
 def decode_attention_batched(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Decode for a whole batch at once: gather every sequence, padded to the longest, and mask.
 
@@ -113,11 +126,13 @@ def decode_attention_batched(
     blocks are never read (they may hold any value, even an id outside the cache). Query
     head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to
     ``1 / sqrt(head_dim)``. It equals stage 0's ``dense_attention`` on each sequence's K/V.
+    ``max_seq_len``, the longest ``seq_len``, is the engine's host copy: without it, it is read
+    from ``seq_lens``, which on a GPU waits for the device.
     """
     # BEGIN SOLUTION gather (num_seqs, max_len, kv_heads, dim) through the tables, mask, attend
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    max_len = int(seq_lens.max())
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     width = -(-max_len // block_size)
     positions = torch.arange(width * block_size, device=query.device)
     in_use = positions[None, :] < seq_lens[:, None]  # (num_seqs, width * block_size)
@@ -145,20 +160,25 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor | None = None,
     *,
     validate: bool = True,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over each sequence's K/V in the paged cache; shape of ``query``.
 
     Decode when ``query_start_loc`` is None (one query per sequence), variable length
     otherwise. ``scale`` defaults to ``1 / sqrt(head_dim)``. Sequences with one query go
     through ``decode_attention_batched`` together; longer ones, one by one, through
-    ``gather_kv`` and ``dense_attention``. ``validate=False`` skips the argument checks
-    (the engine checks once per step, not once per layer).
+    ``gather_kv`` and ``dense_attention``. ``validate=False`` skips the checks of the
+    arguments' values, which read them back from the device: an engine checks its step's metadata
+    once on the host and passes ``max_seq_len`` (and ``max_query_len``, vLLM's names) from there.
+    The sequences of a variable-length batch are walked on the host: this path reads
+    ``query_start_loc`` and ``seq_lens`` back (stage 5's prefill kernel does not).
     """
     if validate:
         check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     # BEGIN SOLUTION batch the one-query sequences; gather and attend causally for the others
     if query_start_loc is None:
-        return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -167,7 +187,7 @@ def paged_attention_ref(
         single_rows = torch.tensor([starts[i] for i in single], device=query.device)
         picked = torch.tensor(single, device=query.device)
         out[single_rows] = decode_attention_batched(query[single_rows], key_cache, value_cache, block_tables[picked],
-                                                    seq_lens[picked], scale)
+                                                    seq_lens[picked], scale, max_seq_len)
     for i, seq_len in enumerate(seq_lens.tolist()):
         if query_lens[i] > 1:
             keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)

@@ -51,7 +51,15 @@ import triton.language as tl  # noqa: E402
 from minipaged.stage4_reference_attention import check_paged_attention_args  # noqa: E402
 
 PARTITION_SIZE = 512  # tokens of context per program in v2
-VERSIONS = ("v1", "v2")
+VERSIONS = ("v1", "v2")  # the decode kernels; version="auto" chooses one by use_v1
+
+
+def use_v1(num_seqs: int, num_heads: int, max_seq_len: int) -> bool:
+    """vLLM's choice of decode kernel: v1 when one partition covers the longest sequence, or when the
+    batch alone gives the GPU enough programs (``num_seqs * num_heads > 512``), up to 8k tokens of
+    context; v2 otherwise, whose partitions keep the GPU busy with few, long sequences."""
+    max_num_partitions = -(-max_seq_len // PARTITION_SIZE)
+    return max_seq_len <= 8192 and (max_num_partitions == 1 or num_seqs * num_heads > 512)
 
 
 @triton.jit
@@ -227,17 +235,23 @@ def paged_attention_triton(
     scale: float | None = None,
     query_start_loc: torch.Tensor | None = None,
     *,
-    version: str = "v2",
+    version: str = "auto",
     validate: bool = True,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Stage 4's ``paged_attention_ref``, computed by Triton kernels; same arguments, same result.
 
-    Decode queries use kernel ``version`` (``"v1"`` or ``"v2"``); variable-length queries
-    (``query_start_loc`` given) use the prefill kernel. ``validate=False`` skips the argument
-    checks, which read ``seq_lens`` and ``block_tables`` back to the host (for benchmarks).
+    Decode queries use kernel ``version``: ``"v1"``, ``"v2"``, or ``"auto"``, which chooses by
+    ``use_v1``; variable-length queries (``query_start_loc`` given) use the prefill kernel.
+    ``validate=False`` skips the checks of the arguments' values, which read ``seq_lens`` and
+    ``block_tables`` back to the host. ``max_query_len`` and ``max_seq_len`` are the engine's host
+    copies (vLLM's names): the grid needs the first, ``"auto"`` the second. Without them the first is
+    read back from the device, and the second bounded by the block tables' width, so that given
+    both, no call waits for the device.
     """
-    if version not in VERSIONS:
-        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    if version not in (*VERSIONS, "auto"):
+        raise ValueError(f"version: expected one of {(*VERSIONS, 'auto')}, got {version!r}")
     if validate:
         check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if key_cache.stride(3) != 1 or value_cache.stride() != key_cache.stride():
@@ -251,8 +265,9 @@ def paged_attention_triton(
     block_size, s_bt = key_cache.shape[1], block_tables.stride(0)
     qo_strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1))
     if query_start_loc is not None:
-        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-        grid = (num_seqs, num_heads, triton.cdiv(max_q_len, 32 if consts["HEAD_DIM"] <= 128 else 16))
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        grid = (num_seqs, num_heads, triton.cdiv(max_query_len, 32 if consts["HEAD_DIM"] <= 128 else 16))
         _prefill_kernel[grid](out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                               scale, *qo_strides, s_kb, s_ks, s_kh, s_bt, block_size,
                               BLOCK_M=32 if consts["HEAD_DIM"] <= 128 else 16, **consts)
@@ -260,6 +275,9 @@ def paged_attention_triton(
     group = consts["GROUP"]
     group_pad = max(16, triton.next_power_of_2(group))
     num_kv_heads = key_cache.shape[2]
+    if version == "auto":
+        longest = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+        version = "v1" if use_v1(num_seqs, num_heads, longest) else "v2"
     if version == "v1":
         _decode_v1_kernel[(num_seqs, num_kv_heads)](
             out, query, key_cache, value_cache, block_tables, seq_lens, scale, *qo_strides,

@@ -92,11 +92,12 @@ class LLMEngine:
 
     def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler, *,
                  tokenizer: Tokenizer | None = None, eos_token_ids: Iterable[int] = (), vocab_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.scheduler, self.runner, self.sampler, self.tokenizer = scheduler, runner, sampler, tokenizer
         self.eos_token_ids, self.vocab_size = set(eos_token_ids), vocab_size
         self.requests: dict[Hashable, Request] = {}
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = torch.Generator().manual_seed(seed)  # the seeds of the requests that name none
+        self.device = torch.device(device)  # where the sequences' generators draw: the logits' device
         self.stats = EngineStats()
         self.processor = Processor(tokenizer, vocab_size)  # a new request's prompt to checked token ids
 
@@ -119,8 +120,10 @@ class LLMEngine:
         return request
 
     def new_sequence(self, request: Request, prompt_token_ids: list[int], index: int) -> SampledSequence:
-        """Sequence ``index`` of a request, drawing with a generator seeded ``seed + index``."""
-        return SampledSequence(list(prompt_token_ids), generator=torch.Generator().manual_seed(request.seed + index))
+        """Sequence ``index`` of a request, drawing with a generator seeded ``seed + index``, on the engine's
+        device (as vLLM keeps its requests' generators): a seed gives the same tokens on the same device."""
+        generator = torch.Generator(device=self.device).manual_seed(request.seed + index)
+        return SampledSequence(list(prompt_token_ids), generator=generator)
 
     def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
                      seed: int) -> Request:
@@ -289,7 +292,7 @@ class LLM:
         eos_ids = load_eos_token_ids(path)
         self.engine = self.engine_class(self.scheduler, self.build_runner(), Sampler(eos_ids, config.logprobs_mode),
                                         tokenizer=self.tokenizer, eos_token_ids=eos_ids,
-                                        vocab_size=mc.vocab_size, seed=config.seed)
+                                        vocab_size=mc.vocab_size, seed=config.seed, device=self.device)
         self._request_ids = itertools.count()
 
     def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:

@@ -22,19 +22,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
+import numpy as np
 import torch
 
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, CausalLM
+from minipaged.stage2_block_table import PagedKVCache
+from minipaged.stage4_reference_attention import check_attention_metadata
 from minipaged.stage6_scheduler import SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
 if TYPE_CHECKING:  # the engine's requests, named in annotations only
     from minipaged.stage7_engine import Request
 
-__all__ = ["ModelRunner", "Runner", "Sampler", "process_logits", "prompt_logprob_rows", "sample"]
+__all__ = ["ModelRunner", "Runner", "Sampler", "build_attention_metadata", "process_logits", "prompt_logprob_rows",
+           "sample"]
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -70,7 +74,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(process_logits(logits, params), dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator))
     # END SOLUTION
 
 
@@ -93,6 +97,21 @@ def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[Request, range, int]
                 rows.append((firsts[id(seq)], positions, offset))
         offset += n
     return rows
+
+
+def build_attention_metadata(cache: PagedKVCache, slot_mapping: np.ndarray, block_tables: np.ndarray,
+                             seq_lens: np.ndarray, query_start_loc: np.ndarray | None,
+                             backend: Callable[..., torch.Tensor]) -> AttentionMetadata:
+    """A step's ``AttentionMetadata``, from its host arrays: checked there, once (stage 2's
+    ``check_slot_mapping``, stage 4's ``check_attention_metadata``), then copied to the cache's device,
+    so that no layer checks anything again: a check in every layer would wait for the device in
+    every layer. A slot mapping of the engine holds no -1."""
+    num_blocks, block_size = cache.key_cache[0].shape[:2]
+    cache.check_slot_mapping(slot_mapping, skip=False)
+    check_attention_metadata(block_tables, seq_lens, query_start_loc, num_tokens=len(slot_mapping),
+                             num_blocks=num_blocks, block_size=block_size)
+    return AttentionMetadata.from_host(slot_mapping, block_tables, seq_lens, query_start_loc, backend,
+                                       cache.key_cache[0].device)
 
 
 class Runner(Protocol):
@@ -133,25 +152,21 @@ class ModelRunner:
             ids += seq.token_ids[len(seq) - n:]
             positions += range(len(seq) - n, len(seq))
         seq_ids = [s.seq_id for s in seqs]
-        ends = torch.tensor(counts).cumsum(0)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=self.block_manager.slot_mapping(seq_ids, counts).to(self.device),
-            block_tables=self.block_manager.block_tables_tensor(seq_ids).to(self.device),
-            seq_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device),
-            query_start_loc=None if max(counts) == 1 else starts.to(self.device),
-            backend=self.backend,
-        )
+        ends = np.cumsum(counts)  # (num_seqs,) where each sequence's new tokens end in the flat batch
+        meta = build_attention_metadata(
+            self.cache, self.block_manager.slot_mapping(seq_ids, counts).numpy(),
+            self.block_manager.block_tables_tensor(seq_ids).numpy(), np.array([len(s) for s in seqs], dtype=np.int32),
+            None if max(counts) == 1 else np.concatenate([[0], ends]).astype(np.int32), self.backend)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                                 self.cache, meta)
         return self.compute_logits(out, hidden, ends - 1)
         # END SOLUTION
 
-    def compute_logits(self, out: SchedulerOutput, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, out: SchedulerOutput, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
         """float32 logits of the flat tokens ``logits_indices`` (one per sequence), then of the prompt
         positions of the requests that ask for ``prompt_logprobs`` (``prompt_logprob_rows``)."""
         extra = [offset + p - positions.start for _, positions, offset in prompt_logprob_rows(out) for p in positions]
-        rows = torch.cat([logits_indices.to(torch.int64), torch.tensor(extra, dtype=torch.int64)])
+        rows = torch.tensor([*logits_indices.tolist(), *extra], dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            return self.model.compute_logits(hidden[rows.to(self.device)]).float()
+            return self.model.compute_logits(hidden.index_select(0, rows)).float()

@@ -135,7 +135,8 @@ class SharingEngine(LLMEngine):
             for index in range(1, request.width):  # fork first: the samples share the prompt, no new token
                 child = self.fork(request, parent, index)
                 draw = sample(logits[0], params, child.generator) if params.temperature > 0 else tokens[0]
-                (logprob,), (top_logprobs,) = compute_logprobs(logits[:1], [draw], [params.logprobs])
+                sampled = compute_logprobs(logits[:1], [draw], [params.logprobs])
+                (logprob,), (top_logprobs,) = sampled.logprobs, sampled.top_logprobs
                 self.append_token(request, child, draw, logprob, top_logprobs)
         # END SOLUTION
         super().process_outputs(request, seqs, tokens, chosen, top, logits)

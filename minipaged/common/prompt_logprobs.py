@@ -36,5 +36,5 @@ def fill_prompt_logprobs(prompt_logprobs: list[dict[int, float] | None], logits:
     if not positions:
         return
     targets = list(prompt_token_ids[positions.start + 1:positions.stop + 1])
-    _, top = compute_logprobs(logits.float(), targets, [k] * len(targets))
+    top = compute_logprobs(logits.float(), targets, [k] * len(targets)).top_logprobs
     prompt_logprobs[positions.start + 1:positions.stop + 1] = top

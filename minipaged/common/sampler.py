@@ -52,8 +52,10 @@ class SamplerOutput:
 
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampledRow], params: Sequence[SamplingParams],
                     eos_token_ids: Collection[int]) -> None:
-    """``min_tokens``, ``logit_bias``, the penalties and ``min_p``, in place, each over the rows asking for it."""
+    """``min_tokens``, ``logit_bias``, the penalties and ``min_p``, in place, each over the rows asking for it.
+    What each rule needs of a row is built on the host and copied to the logits' device once."""
     num_seqs, vocab = logits.shape
+    device, dtype = logits.device, logits.dtype
     banned = [(i, t) for i, (s, p) in enumerate(zip(seqs, params, strict=True))
               if len(s.output_token_ids) < p.min_tokens
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)) if 0 <= t < vocab]
@@ -65,42 +67,45 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampledRow], params: Se
         bias_rows, bias_cols, bias = zip(*biased, strict=True)
         if not all(0 <= t < vocab for t in bias_cols):
             raise ValueError(f"logit_bias has token ids outside the vocabulary ({vocab})")
-        logits.index_put_((torch.tensor(bias_rows), torch.tensor(bias_cols)), torch.tensor(bias, dtype=logits.dtype),
-                          accumulate=True)
+        logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
+                          torch.tensor(bias, dtype=dtype, device=device), accumulate=True)
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:  # (len(rep), vocab): which tokens each row has seen, prompt and output
-        seen = torch.zeros(len(rep), vocab, dtype=torch.bool)
-        for k, i in enumerate(rep):
-            seen[k, seqs[i].prompt_token_ids + seqs[i].output_token_ids] = True
-        penalty = torch.tensor([params[i].repetition_penalty for i in rep], dtype=logits.dtype)[:, None]
+        seen_rows = [k for k, i in enumerate(rep) for _ in seqs[i].prompt_token_ids + seqs[i].output_token_ids]
+        seen_cols = [t for i in rep for t in seqs[i].prompt_token_ids + seqs[i].output_token_ids]
+        seen = torch.zeros(len(rep), vocab, dtype=torch.bool, device=device)
+        seen[seen_rows, seen_cols] = True
+        penalty = torch.tensor([params[i].repetition_penalty for i in rep], dtype=dtype, device=device)[:, None]
         rows = logits[rep]
         logits[rep] = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
     counted = [i for i, p in enumerate(params)
                if (p.frequency_penalty or p.presence_penalty) and seqs[i].output_token_ids]
     if counted:  # (len(counted), vocab): each token's count in the row's output
-        counts = torch.zeros(len(counted), vocab, dtype=logits.dtype)
-        for k, i in enumerate(counted):
-            ids = torch.tensor(seqs[i].output_token_ids)
-            counts[k].index_add_(0, ids, torch.ones(len(ids), dtype=logits.dtype))
-        freq = torch.tensor([params[i].frequency_penalty for i in counted], dtype=logits.dtype)[:, None]
-        presence = torch.tensor([params[i].presence_penalty for i in counted], dtype=logits.dtype)[:, None]
-        logits[counted] = logits[counted] - freq * counts - presence * (counts > 0).to(logits.dtype)
+        out_rows = [k for k, i in enumerate(counted) for _ in seqs[i].output_token_ids]
+        out_cols = [t for i in counted for t in seqs[i].output_token_ids]
+        counts = torch.zeros(len(counted), vocab, dtype=dtype, device=device)
+        counts.index_put_((torch.tensor(out_rows, device=device), torch.tensor(out_cols, device=device)),
+                          torch.ones(len(out_cols), dtype=dtype, device=device), accumulate=True)
+        freq = torch.tensor([params[i].frequency_penalty for i in counted], dtype=dtype, device=device)[:, None]
+        presence = torch.tensor([params[i].presence_penalty for i in counted], dtype=dtype, device=device)[:, None]
+        logits[counted] = logits[counted] - freq * counts - presence * (counts > 0).to(dtype)
     cut = [i for i, p in enumerate(params) if p.min_p > 0 and p.temperature > 0]
     if cut:
-        temp = torch.tensor([params[i].temperature for i in cut])[:, None]
-        min_p = torch.tensor([params[i].min_p for i in cut])[:, None]
+        temp = torch.tensor([params[i].temperature for i in cut], device=device)[:, None]
+        min_p = torch.tensor([params[i].min_p for i in cut], device=device)[:, None]
         probs = torch.softmax(logits[cut] / temp, dim=-1)
         logits[cut] = logits[cut].masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
 
 
-def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """``process_logits``' cuts for a batch: ``(n, vocab)`` tempered logits, per-row ``top_k`` (the
-    vocabulary size: no cut) and ``top_p`` (1: no cut); the cut ones at -inf."""
+    vocabulary size: no cut) and ``top_p`` (1: no cut); the cut ones at -inf. ``None``: no row cuts
+    (the caller knows it on the host, so nothing is read back from the device)."""
     vocab = logits.shape[1]
-    if bool((top_k < vocab).any()):
+    if top_k is not None:
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (top_k - 1)[:, None])  # (n, 1)
         logits = torch.where(top_k[:, None] < vocab, logits.masked_fill(logits < kth, float("-inf")), logits)
-    if bool((top_p < 1).any()):
+    if top_p is not None:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1)
@@ -108,11 +113,27 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return logits
 
 
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` ``(n, vocab)``, row ``k`` drawn with ``generators[k]``: ``(n,)``.
+
+    The exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` draws token ``i`` with probability
+    ``p_i``. It is what ``torch.multinomial`` does for one sample, so the same generator state gives
+    the same token as ``torch.multinomial(probs[k], 1, generator=g)``; unlike it, nothing is read
+    back (``multinomial`` checks its input on the host), and the draw stays on the device, as vLLM's
+    does. A generator must be on the device of ``probs``."""
+    q = torch.empty_like(probs)
+    for k, generator in enumerate(generators):
+        q[k].exponential_(generator=generator)
+    return probs.div(q).argmax(dim=-1)
+
+
 class Sampler:
     """Logits ``(num_seqs, vocab)`` to one token per sequence, every row with its own parameters.
 
     ``eos_token_ids`` are the tokens ``min_tokens`` holds back; ``logprobs_mode`` which logits the
-    log-probabilities come from (the module's docstring)."""
+    log-probabilities come from (the module's docstring). Everything runs on the logits' device;
+    the tokens and their log-probabilities come back to the host in one copy (and the top ones, for
+    the rows that ask for them, in one more)."""
 
     def __init__(self, eos_token_ids: Iterable[int] = (), logprobs_mode: str = "raw_logprobs") -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -133,37 +154,42 @@ class Sampler:
         processed = logits
         drawn = [i for i, p in enumerate(params) if p.temperature > 0]
         if drawn:
-            vocab = logits.shape[1]
-            temp = torch.tensor([params[i].temperature for i in drawn], dtype=logits.dtype)[:, None]
-            top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in drawn])
-            top_p = torch.tensor([params[i].top_p for i in drawn])
-            cut = top_k_top_p(logits[drawn] / temp, top_k, top_p)  # (len(drawn), vocab)
-            probs = torch.softmax(cut, dim=-1)
-            for k, i in enumerate(drawn):  # each with its own generator: a seeded sequence repeats itself
-                token_ids[i] = torch.multinomial(probs[k], 1, generator=seqs[i].generator)[0]
+            vocab, device = logits.shape[1], logits.device
+            rows = torch.tensor(drawn, device=device)
+            temp = torch.tensor([params[i].temperature for i in drawn], dtype=logits.dtype, device=device)[:, None]
+            top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in drawn]
+            top_p = [params[i].top_p for i in drawn]
+            cut = top_k_top_p(logits.index_select(0, rows) / temp,  # (len(drawn), vocab)
+                              torch.tensor(top_k, device=device) if min(top_k) < vocab else None,
+                              torch.tensor(top_p, device=device) if min(top_p) < 1 else None)
+            token_ids[rows] = draw(torch.softmax(cut, dim=-1), [seqs[i].generator for i in drawn])
             if self.logprobs_mode.startswith("processed"):
                 processed = logits.clone()
-                processed[drawn] = cut
-        tokens = token_ids.tolist()
+                processed[rows] = cut
         source = raw if self.logprobs_mode.startswith("raw") else processed
-        logprobs, top = compute_logprobs(source, tokens, [p.logprobs for p in params],
-                                         as_logits=self.logprobs_mode.endswith("logits"))
-        return SamplerOutput(tokens, logprobs, top)
+        return compute_logprobs(source, token_ids, [p.logprobs for p in params],
+                                as_logits=self.logprobs_mode.endswith("logits"))
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: Sequence[int | None],
-                     as_logits: bool = False) -> tuple[list[float], list[dict[int, float] | None]]:
-    """The log-probability of each row's token, for every row; the top ``k`` ones (and the chosen
-    one), ``{token: logprob}``, only for the rows whose ``num_logprobs`` is a number ``k``.
-    ``as_logits``: the logits themselves instead (the same tokens are the top ones)."""
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], num_logprobs: Sequence[int | None],
+                     as_logits: bool = False) -> SamplerOutput:
+    """The tokens ``token_ids`` ``(n,)``, the log-probability of each row's token, and the top ``k``
+    ones (and the chosen one), ``{token: logprob}``, only for the rows whose ``num_logprobs`` is a
+    number ``k``; on the host. ``as_logits``: the logits themselves instead (the same tokens are the
+    top ones). The tokens and their log-probabilities come back in one copy, the top ones in one more."""
+    tokens = torch.as_tensor(token_ids, device=logits.device)
     rows = logits if as_logits else torch.log_softmax(logits, dim=-1)  # (n, vocab); one pass
-    logprobs = rows.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
-    top: list[dict[int, float] | None] = [None] * len(token_ids)
+    chosen = rows.gather(1, tokens[:, None])[:, 0]
+    # one copy to the host: token ids are exact in float64 (and any vocabulary below 2**53)
+    host_tokens, logprobs = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
+    tokens_list = [int(t) for t in host_tokens]
+    top: list[dict[int, float] | None] = [None] * len(tokens_list)
     asked = [i for i, k in enumerate(num_logprobs) if k is not None]
     if asked:
         values, indices = torch.topk(rows[asked], max(num_logprobs[i] or 0 for i in asked))
+        host_values, host_indices = torch.stack((values.to(torch.float64), indices.to(torch.float64))).tolist()
         for r, i in enumerate(asked):
             k = num_logprobs[i] or 0
-            top[i] = {**dict(zip(indices[r, :k].tolist(), values[r, :k].tolist(), strict=True)),
-                      token_ids[i]: logprobs[i]}
-    return logprobs, top
+            top[i] = {**{int(t): v for t, v in zip(host_indices[r][:k], host_values[r][:k], strict=True)},
+                      tokens_list[i]: logprobs[i]}
+    return SamplerOutput(tokens_list, logprobs, top)

@@ -336,8 +336,8 @@ CATALOGUE: list[Mutant] = [
     m(7, "copy-on-write copies before the swap-ins", (_SWAP_OUT + _SWAP_IN + _COPY, _SWAP_OUT + _COPY + _SWAP_IN)),
     m(7, "copy-on-write copies before the swaps", (_SWAP_OUT + _SWAP_IN + _COPY, _COPY + _SWAP_OUT + _SWAP_IN)),
     m(7, "sampling ignores the sequence's generator", (
-        "return int(torch.multinomial(probs.cpu(), 1, generator=generator))",
-        "return int(torch.multinomial(probs.cpu(), 1))")),
+        "return int(torch.multinomial(probs, 1, generator=generator))",
+        "return int(torch.multinomial(probs, 1))")),
     m(7, "top-p before top-k", (_TOP_K + _TOP_P, _TOP_P + _TOP_K)),
     m(7, "temperature after the cuts", (_TEMPERATURE + _TOP_K + _TOP_P, _TOP_K + _TOP_P + _TEMPERATURE)),
     m(7, "top-k drops the ties at the k-th value", (

@@ -14,8 +14,9 @@ the same input are declared fused, as in vLLM: ``qkv_proj`` (q, k, v) and ``gate
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,14 +26,32 @@ from minipaged.models.config import ModelConfig
 
 @dataclass
 class AttentionMetadata:
-    """Where each new token's K/V goes, and what each sequence attends over."""
+    """Where each new token's K/V goes, and what each sequence attends over: built once per step, on
+    the host, then handed to every layer, as vLLM's attention metadata builders do.
 
-    slot_mapping: torch.Tensor  # int64 (num_tokens,)
+    Its tensors are on the model's device; ``max_query_len`` and ``max_seq_len`` are host numbers, so
+    that no layer reads a value back from the device (on a GPU, each read waits for every kernel
+    queued before it). The values were checked when it was built (``from_host``'s caller does)."""
+
+    slot_mapping: torch.Tensor  # int64 (num_tokens,); every entry a slot of the cache (no -1)
     block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq)
     seq_lens: torch.Tensor  # int32 (num_seqs,)
     query_start_loc: torch.Tensor | None  # int32 (num_seqs + 1,); None: one decode token each
     backend: Callable  # paged_attention_ref or paged_attention_triton
-    validate: bool = True  # check the arguments (the first layer does; the others need not)
+    max_query_len: int = 1  # the most new tokens of any sequence
+    max_seq_len: int = 0  # the longest context, the new tokens included
+
+    @classmethod
+    def from_host(cls, slot_mapping: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                  query_start_loc: np.ndarray | None, backend: Callable, device: torch.device) -> AttentionMetadata:
+        """The step's metadata from its host arrays (checked already): one copy of each to ``device``."""
+        def upload(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+        return cls(upload(slot_mapping, torch.int64), upload(block_tables, torch.int32), upload(seq_lens, torch.int32),
+                   None if query_start_loc is None else upload(query_start_loc, torch.int32), backend,
+                   max_query_len=int(np.diff(query_start_loc).max()) if query_start_loc is not None else 1,
+                   max_seq_len=int(seq_lens.max()) if seq_lens.size else 0)
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -70,9 +89,10 @@ def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: 
     ``cache`` is a ``PagedKVCache``: per layer, ``key_cache`` / ``value_cache`` of shape
     ``(num_blocks, block_size, num_kv_heads, head_dim)``.
     """
-    cache.write(layer, meta.slot_mapping, k, v)
+    cache.write(layer, meta.slot_mapping, k, v, checked=True)  # checked once, on the host, when meta was built
     return meta.backend(q, cache.key_cache[layer], cache.value_cache[layer], meta.block_tables, meta.seq_lens,
-                        scale=scale, query_start_loc=meta.query_start_loc, validate=meta.validate)
+                        scale=scale, query_start_loc=meta.query_start_loc, validate=False,
+                        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
 class LlamaAttention(nn.Module):
@@ -154,9 +174,8 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        checked = replace(meta, validate=False)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, meta if i == 0 else checked)
+            x = layer(x, cos, sin, cache, i, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -232,9 +251,8 @@ class GPT2LMHeadModel(nn.Module):
 
     def forward(self, input_ids, positions, cache, meta: AttentionMetadata):
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        checked = replace(meta, validate=False)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i, meta if i == 0 else checked)
+            x = block(x, cache, i, meta)
         return self.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

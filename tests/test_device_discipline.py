@@ -1,0 +1,265 @@
+"""The GPU path, proven on a CPU: every tensor of a step on the engine's device, and no host sync in the forward.
+
+Two tools (``helpers_device``): ``fake_cuda`` runs a component on ``device="cuda"`` tensors that
+have no data, so that a host tensor meeting a device one raises, and so does any read of a
+value (a host sync); ``count_host_syncs`` counts the reads made from minipaged's code in a real
+step on the CPU. A decode step reads the device once (the sampled tokens and their
+log-probabilities), and the forward never.
+"""
+
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from helpers_device import count_host_syncs, fake_cuda, fake_cuda_generator, fake_cuda_module
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
+
+from minipaged import stage10_v1_scheduler, stage12_speculative
+from minipaged.common.prompt_logprobs import fill_prompt_logprobs
+from minipaged.common.sampler import Sampler, compute_logprobs
+from minipaged.common.sampling_params import SamplingParams
+from minipaged.models import AttentionMetadata, ModelConfig, build_model
+from minipaged.stage2_block_table import PagedKVCache
+from minipaged.stage4_reference_attention import paged_attention_ref
+from minipaged.stage7_engine import LLM
+from minipaged.stage12_rejection_sampler import Context, RejectionSampler
+
+pytestmark = pytest.mark.device
+
+VOCAB = 64
+CONFIGS = {
+    "llama": ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, norm_eps=1e-6,
+                         qk_norm=True, qkv_bias=True),
+    "gpt2": ModelConfig(model_type="gpt2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=4, head_dim=8, hidden_act="gelu_new", norm_eps=1e-5,
+                        max_position_embeddings=64, tie_word_embeddings=True),
+}
+EVERY_RULE = [  # one row of each kind the sampler treats differently
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=2),
+    SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2),
+    SamplingParams(temperature=0.0, logit_bias={3: 2.0}, min_tokens=2, logprobs=3),
+]
+
+
+class Row:
+    def __init__(self, generator):
+        self.prompt_token_ids, self.output_token_ids, self.generator = [1, 2, 3], [4, 4], generator
+
+
+def raised_at(error: BaseException) -> str:
+    """``function:line text`` of the last frame of minipaged's code in ``error``'s traceback."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/minipaged/" in f.filename]
+    return f"{frames[-1].name}: {frames[-1].line}"
+
+
+# -- a real step on the CPU: the host syncs counted -------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+@pytest.mark.parametrize("front", ["stage7", "stage10", "stage10-async"])
+def test_a_decode_step_reads_the_device_once_and_never_inside_the_forward(front, backend):
+    kwargs = dict(attention_backend=backend, num_gpu_blocks=64, block_size=4)
+    if front == "stage7":
+        llm = LLM("tiny", **kwargs)
+    else:
+        llm = stage10_v1_scheduler.LLM("tiny", **kwargs, async_scheduling=front.endswith("async"))
+    engine = llm.engine
+    for i, params in enumerate(EVERY_RULE[:4]):
+        engine.add_request(i, {"prompt_token_ids": [5 + i, 6, 7, 8, 9][: 2 + i]},
+                           SamplingParams(**{**params.__dict__, "max_tokens": 12}))
+    for _ in range(3):  # the prompts, then decodes
+        engine.step()
+    with count_host_syncs(llm.model) as count:
+        engine.step()
+    assert count.forward == 0, dict(count.in_forward)
+    assert 1 <= count.total <= 2, dict(count.calls)
+
+
+def test_logprobs_asked_for_cost_one_more_read_and_no_more():
+    llm = LLM("tiny", num_gpu_blocks=64, block_size=4)
+    llm.engine.add_request(0, "The cat", SamplingParams(max_tokens=8, logprobs=4, temperature=0.5, top_k=10))
+    llm.engine.step()
+    with count_host_syncs(llm.model) as count:
+        llm.engine.step()
+    assert (count.forward, count.total) == (0, 2), dict(count.calls)
+
+
+def test_the_counter_sees_a_sync_inside_the_forward(monkeypatch):
+    """The rule bites: the value check that stage 2's write makes unless told the mapping is checked."""
+    llm = LLM("tiny", num_gpu_blocks=64, block_size=4)
+    write = PagedKVCache.write
+    monkeypatch.setattr(PagedKVCache, "write", lambda self, *a, checked=False: write(self, *a, checked=False))
+    llm.engine.add_request(0, "The cat", SamplingParams(max_tokens=4))
+    llm.engine.step()
+    with count_host_syncs(llm.model) as count:
+        llm.engine.step()
+    assert count.forward >= llm.model_config.num_layers
+
+
+def test_an_unchecked_mapping_is_refused_before_the_forward():
+    """The checks moved from the layers to the step's metadata: a slot outside the cache still raises."""
+    cache = PagedKVCache(1, 4, 2, 1, 8)
+    from minipaged.stage7_model_runner import build_attention_metadata
+
+    good = dict(block_tables=np.array([[0, 1]], np.int32), seq_lens=np.array([3], np.int32), query_start_loc=None)
+    build_attention_metadata(cache, np.array([2]), **good, backend=paged_attention_ref)
+    for slots, tables in (([8], [[0, 1]]), ([-1], [[0, 1]]), ([2], [[0, 4]])):
+        with pytest.raises(ValueError):
+            build_attention_metadata(cache, np.array(slots), **{**good, "block_tables": np.array(tables, np.int32)},
+                                     backend=paged_attention_ref)
+
+
+# -- fake CUDA: every component of a step, with no host tensor and no read until the sampler's copy ---------------------
+
+def fake_step(config: ModelConfig, backend, num_new: list[int], context: list[int], block_size: int = 4):
+    """One forward of a randomly shaped model on fake CUDA: its metadata built as the runners build it."""
+    model = build_model(config).eval()
+    with fake_cuda():
+        params = fake_cuda_module(model)
+        cache = PagedKVCache(config.num_layers, 32, block_size, config.num_kv_heads, config.head_dim, device="cuda")
+        tables = np.arange(len(context) * 8, dtype=np.int32).reshape(len(context), 8)
+        ends = np.cumsum(num_new)
+        positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context, num_new, strict=True)])
+        owner = np.repeat(np.arange(len(context)), num_new)
+        slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        meta = AttentionMetadata.from_host(slots, tables, np.array(context, np.int32),
+                                           None if max(num_new) == 1 else np.concatenate([[0], ends]).astype(np.int32),
+                                           backend, torch.device("cuda"))
+        ids = torch.zeros(len(slots), dtype=torch.int64, device="cuda")
+        with torch.inference_mode():
+            hidden = torch.func.functional_call(model, params, (ids, torch.from_numpy(positions).to("cuda"), cache, meta),
+                                                tie_weights=False)
+            last = hidden.index_select(0, torch.from_numpy(ends - 1).to("cuda"))
+            logits = torch.nn.functional.linear(last, params["lm_head.weight"])  # compute_logits
+        return hidden, logits, cache
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_a_decode_forward_runs_on_cuda_with_the_reference_backend(arch):
+    hidden, logits, cache = fake_step(CONFIGS[arch], paged_attention_ref, [1, 1, 1], [7, 2, 9])
+    assert hidden.device.type == "cuda" and hidden.shape == (3, CONFIGS[arch].hidden_size)
+    assert logits.device.type == "cuda" and logits.shape == (3, VOCAB)
+    assert cache.key_cache[0].device.type == "cuda"
+
+
+def test_the_reference_walks_a_step_with_prompts_on_the_host():
+    """Stated on stage 4's page: with prompts in the step, the reference reads query_start_loc back
+    (the definition, sequence by sequence); stage 5's prefill kernel does not (below)."""
+    with pytest.raises(DataDependentOutputException) as error:
+        fake_step(CONFIGS["llama"], paged_attention_ref, [3, 1, 5], [7, 2, 9])
+    assert raised_at(error.value).startswith("paged_attention_ref")
+
+
+def test_a_host_tensor_in_the_forward_is_caught(monkeypatch):
+    """The rule bites: RoPE frequencies left on the host meet the device's positions."""
+    model = build_model(CONFIGS["llama"])
+    with fake_cuda():
+        params = fake_cuda_module(model)
+        params["inv_freq"] = model.inv_freq  # a host tensor
+        cache = PagedKVCache(2, 8, 4, 2, 8, device="cuda")
+        meta = AttentionMetadata.from_host(np.array([0]), np.array([[0]], np.int32), np.array([1], np.int32), None,
+                                           paged_attention_ref, torch.device("cuda"))
+        with pytest.raises(FakeTensorDeviceMismatchError), torch.inference_mode():
+            torch.func.functional_call(model, params, (torch.zeros(1, dtype=torch.long, device="cuda"),
+                                                       torch.zeros(1, dtype=torch.long, device="cuda"), cache, meta),
+                                       tie_weights=False)
+
+
+class Launches:
+    """Stand-ins for stage 5's kernels: each launch checks that every tensor it gets is on CUDA."""
+
+    def __init__(self):
+        self.launched = []
+
+    def kernel(self, name):
+        parent = self
+
+        class Kernel:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                    assert tensors and all(t.device.type == "cuda" for t in tensors)
+                    assert all(isinstance(g, int) for g in grid)  # the grid is known on the host
+                    parent.launched.append(name)
+                return launch
+        return Kernel()
+
+
+@pytest.mark.parametrize("num_new,context,expected", [
+    ([1, 1], [7, 2], ["_decode_v1_kernel"]),  # one partition covers the longest: v1
+    ([1, 1], [600, 3], ["_decode_v2_partial_kernel", "_decode_v2_reduce_kernel"]),  # 2 partitions, 8 heads: v2
+    ([3, 1, 5], [7, 2, 9], ["_prefill_kernel"]),
+])
+def test_the_triton_backend_prepares_its_launches_on_cuda(monkeypatch, num_new, context, expected):
+    from minipaged import stage5_triton_attention as s5
+
+    launches = Launches()
+    for name in ("_decode_v1_kernel", "_decode_v2_partial_kernel", "_decode_v2_reduce_kernel", "_prefill_kernel"):
+        monkeypatch.setattr(s5, name, launches.kernel(name))
+    fake_step(CONFIGS["llama"], s5.paged_attention_triton, num_new, context, block_size=128)
+    assert launches.launched == expected * CONFIGS["llama"].num_layers
+
+
+def test_the_sampler_runs_every_rule_on_cuda_up_to_its_one_copy_to_the_host():
+    params = EVERY_RULE * 2
+    with fake_cuda():
+        logits = torch.empty(len(params), VOCAB, device="cuda")
+        rows = [Row(fake_cuda_generator(i) if p.temperature > 0 else None) for i, p in enumerate(params)]
+        with pytest.raises(DataDependentOutputException) as error:
+            Sampler(eos_token_ids=[0])(logits, rows, params)
+    assert "tolist()" in raised_at(error.value) and raised_at(error.value).startswith("compute_logprobs")
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logits"])
+def test_every_logprobs_mode_stays_on_cuda(mode):
+    with fake_cuda():
+        logits = torch.empty(2, VOCAB, device="cuda")
+        rows = [Row(fake_cuda_generator()), Row(None)]
+        with pytest.raises(DataDependentOutputException) as error:
+            Sampler(logprobs_mode=mode)(logits, rows, [SamplingParams(temperature=0.5, top_p=0.5, logprobs=2),
+                                                       SamplingParams(temperature=0.0)])
+    assert raised_at(error.value).startswith("compute_logprobs")
+
+
+def test_a_generator_on_the_host_is_refused_for_cuda_logits():
+    """The rule bites: what a CPU generator does to a CUDA draw (CUDA refuses it too)."""
+    with fake_cuda():
+        logits = torch.empty(1, VOCAB, device="cuda")
+        with pytest.raises(RuntimeError, match="generator"):
+            Sampler()(logits, [Row(torch.Generator())], [SamplingParams(temperature=1.0)])
+
+
+def test_prompt_logprobs_stay_on_cuda_up_to_the_copy():
+    with fake_cuda():
+        logits = torch.empty(4, VOCAB, device="cuda")
+        with pytest.raises(DataDependentOutputException) as error:
+            fill_prompt_logprobs([None] * 5, logits, [1, 2, 3, 4, 5], range(1, 5), 2)
+    assert raised_at(error.value).startswith("compute_logprobs")
+    with fake_cuda(), pytest.raises(DataDependentOutputException):
+        compute_logprobs(torch.empty(2, VOCAB, device="cuda"), [1, 2], [None, None])
+
+
+def test_the_rejection_sampler_builds_its_targets_on_cuda_and_stops_at_the_draw():
+    sampler = RejectionSampler(eos_token_ids=[0])
+    params = SamplingParams(temperature=0.9, top_k=4, top_p=0.8, repetition_penalty=1.1, min_tokens=5)
+    with fake_cuda():
+        target = sampler.target_logits(torch.empty(VOCAB, device="cuda"), Context([1, 2], [3]), params)
+        assert target.device.type == "cuda"
+        with pytest.raises(DataDependentOutputException):  # accept or resample: a host decision per position
+            sampler(torch.empty(3, VOCAB, device="cuda"), [1, 2], [3], fake_cuda_generator(), params, [5, 6])
+
+
+def test_speculative_decoding_steps_are_counted_too():
+    """A verification step reads the device once per position it decides (the rejection sampler's rule is
+    sequential), never inside the forward."""
+    llm = stage12_speculative.LLM("tiny", num_gpu_blocks=64, block_size=4,
+                                  speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                      "prompt_lookup_max": 2})
+    llm.engine.add_request(0, {"prompt_token_ids": [5, 6, 5, 6, 5, 6, 5]}, SamplingParams(max_tokens=10))
+    llm.engine.step()
+    with count_host_syncs(llm.model) as count:
+        llm.engine.step()
+    assert count.forward == 0, dict(count.in_forward)
