@@ -112,7 +112,7 @@ def test_an_unchecked_mapping_is_refused_before_the_forward():
                                      backend=paged_attention_ref)
 
 
-# -- fake CUDA: every component of a step, with no host tensor and no read until the sampler's copy ---------------------
+# -- fake CUDA: every component of a step, no host tensor and no read until the sampler's copy -----------------------
 
 def fake_step(config: ModelConfig, backend, num_new: list[int], context: list[int], block_size: int = 4):
     """One forward of a randomly shaped model on fake CUDA: its metadata built as the runners build it."""
@@ -130,8 +130,8 @@ def fake_step(config: ModelConfig, backend, num_new: list[int], context: list[in
                                            backend, torch.device("cuda"))
         ids = torch.zeros(len(slots), dtype=torch.int64, device="cuda")
         with torch.inference_mode():
-            hidden = torch.func.functional_call(model, params, (ids, torch.from_numpy(positions).to("cuda"), cache, meta),
-                                                tie_weights=False)
+            inputs = (ids, torch.from_numpy(positions).to("cuda"), cache, meta)
+            hidden = torch.func.functional_call(model, params, inputs, tie_weights=False)
             last = hidden.index_select(0, torch.from_numpy(ends - 1).to("cuda"))
             logits = torch.nn.functional.linear(last, params["lm_head.weight"])  # compute_logits
         return hidden, logits, cache
