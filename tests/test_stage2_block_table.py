@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from helpers_kv import ShadowedKVMachine, assert_same_kv
@@ -141,6 +142,28 @@ def test_write_skips_minus_one_and_checks_shapes():
         cache.write(0, torch.tensor([4]), k[:1], k[:1])
     with pytest.raises(ValueError):
         cache.gather(0, [1], 3)
+
+
+def test_a_checked_write_reads_nothing_back_and_an_unchecked_one_checks_the_slots():
+    """Checked once per step, because each check waits for the device: a write told that its mapping
+    was checked on the host (``checked=True``) reads none of its values; one that was not checks them."""
+    from helpers_device import count_host_syncs
+
+    cache = PagedKVCache(1, 2, 2, 1, 1)
+    k = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
+    with count_host_syncs() as count:
+        cache.write(0, torch.tensor([3, 2, 0]), k, -k, checked=True)
+    assert count.total == 0, dict(count.calls)
+    assert cache.key_cache[0].flatten().tolist() == [3.0, 0.0, 2.0, 1.0]
+    with count_host_syncs() as count:
+        cache.write(0, torch.tensor([1]), k[:1], k[:1])
+    assert count.total > 0
+    cache.check_slot_mapping(torch.tensor([3, -1, 0]))
+    for slots, skip in (([4], True), ([-2], True), ([0, -1], False)):
+        with pytest.raises(ValueError):
+            cache.check_slot_mapping(torch.tensor(slots), skip=skip)
+        with pytest.raises(ValueError):
+            cache.check_slot_mapping(np.array(slots), skip=skip)
 
 
 def test_usage_counts_only_the_slack_of_last_blocks():

@@ -163,3 +163,30 @@ def test_a_custom_scale_is_used_on_every_path(path):
         want = dense_attention(query[rows[i]], k, v, scale=scale, causal=True)
         torch.testing.assert_close(out[rows[i]], want,
                                    **tolerances.attention(query, key_cache, value_cache, int(seq_lens.max()), scale))
+
+
+def test_a_decode_given_its_longest_length_reads_nothing_back_and_the_metadata_is_checked_on_the_host():
+    """Checked once per step, because each check waits for the device: with ``validate=False`` and
+    ``max_seq_len`` (the engine's host copy), a decode reads no value back; ``check_attention_metadata``
+    runs the value checks on host arrays, as the engine does once per step."""
+    import numpy as np
+    from helpers_device import count_host_syncs
+
+    from minipaged.stage4_reference_attention import check_attention_metadata
+
+    args, contiguous = make_paged_inputs(4, 2, 16, 4, [5, 13, 1, 8], seed=3)
+    with count_host_syncs() as count:
+        out = paged_attention_ref(*args[:5], validate=False, max_seq_len=13)
+    assert count.total == 0, dict(count.calls)
+    torch.testing.assert_close(out, expected_outputs(args, contiguous), **tolerances.paged_attention(args))
+    tables, seq_lens = args[3].numpy(), args[4].numpy()
+    num_blocks, block_size = args[1].shape[:2]
+    check_attention_metadata(tables, seq_lens, None, num_tokens=4, num_blocks=num_blocks, block_size=block_size)
+    bad = {"seq_len too long": (tables, seq_lens + 64, None), "seq_len zero": (tables, seq_lens * 0, None),
+           "block id": (np.where(tables == tables[0, 0], 999, tables), seq_lens, None),
+           "decreasing starts": (tables, seq_lens, np.array([0, 2, 1, 3, 4])),
+           "starts past the tokens": (tables, seq_lens, np.array([0, 1, 2, 3, 5]))}
+    for case, (t, s, starts) in bad.items():
+        with pytest.raises(ValueError):
+            check_attention_metadata(t, s, starts, num_tokens=4, num_blocks=num_blocks, block_size=block_size)
+            pytest.fail(case)

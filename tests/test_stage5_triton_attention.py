@@ -54,6 +54,32 @@ def test_decode_kernels_equal_the_reference(case, version):
     torch.testing.assert_close(out, expected, **tolerances.paged_attention(args))
 
 
+@pytest.mark.parametrize("seq_lens", [[5, 13, 1], [600, 3]], ids=["one-partition", "two-partitions"])
+def test_auto_chooses_by_vllms_rule_and_reads_nothing_back_given_the_lengths(seq_lens, monkeypatch):
+    """vLLM's use_v1: v1 when one partition covers the longest sequence or the batch gives more than 512
+    (sequence, head) pairs, up to 8k tokens; else v2. Given max_seq_len and no validation, nothing is
+    read back from the device."""
+    from helpers_device import count_host_syncs
+
+    from minipaged import stage5_triton_attention as s5
+
+    assert s5.use_v1(1, 32, 512) and not s5.use_v1(1, 32, 513)  # one partition of 512 tokens, or two
+    assert s5.use_v1(17, 32, 4096) and not s5.use_v1(16, 32, 4096)  # 544 > 512 pairs; 512 is not more
+    assert not s5.use_v1(256, 32, 8193) and s5.use_v1(256, 32, 8192)  # beyond 8k tokens: v2, whatever the batch
+    args, _ = make_paged_inputs(4, 2, 16, 16, seq_lens, seed=5)
+    chosen = []
+    for name in ("_decode_v1_kernel", "_decode_v2_partial_kernel"):
+        kernel = getattr(s5, name)
+        monkeypatch.setattr(s5, name, type("Seen", (), {"__getitem__": lambda self, grid, n=name, k=kernel: (
+            chosen.append(n), k[grid])[1]})())
+    with count_host_syncs() as count:
+        out = paged_attention_triton(*args[:5], validate=False, max_seq_len=max(seq_lens))
+    assert count.total == 0, dict(count.calls)
+    v1 = s5.use_v1(len(seq_lens), 4, max(seq_lens))
+    assert chosen == ["_decode_v1_kernel" if v1 else "_decode_v2_partial_kernel"]
+    torch.testing.assert_close(out, paged_attention_ref(*args[:5]), **tolerances.paged_attention(args))
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,seq_lens,query_lens",
     [(8, 2, 64, 16, [40, 90], [40, 30]),

@@ -168,6 +168,8 @@ CATALOGUE: list[Mutant] = [
         "self.block_tables[seq_id] = BlockTable(self.allocator.allocate(needed), len(token_ids))\n"
         "        return len(token_ids)")),
     m(2, "write skips slot 0", ("keep = slot_mapping >= 0", "keep = slot_mapping > 0")),
+    m(2, "a checked write reads its slots back all the same", (
+        "        if not checked:  # each of these reads", "        if True:  # each of these reads")),
     m(2, "gather misses the last block when it is exactly full", (
         "num_blocks = -(-seq_len // key_cache.shape[1])",
         "num_blocks = max(seq_len - 1, 0) // key_cache.shape[1] + (seq_len % key_cache.shape[1] != 0)")),
@@ -195,6 +197,8 @@ CATALOGUE: list[Mutant] = [
         "            if self.ref_count(last) > 1:",
         "        if True:\n            last = table.block_ids[-1]\n            if self.ref_count(last) > 1:")),
     # stage 4: the reference attention
+    m(4, "batched decode reads the longest length back although it was given", (
+        "max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len", "max_len = int(seq_lens.max())")),
     m(4, "batched decode ignores scale", ("attn_mask=in_use[:, None, None, :], scale=scale,",
                                           "attn_mask=in_use[:, None, None, :],")),
     m(4, "batched decode sees one slot too many", ("in_use = positions[None, :] < seq_lens[:, None]",
@@ -447,9 +451,9 @@ CATALOGUE: list[Mutant] = [
     m(11, "swap-ins on rank 0 only", ("self.cache.swap_in(step.blocks_to_swap_in)",
                                      "self.cache.swap_in(step.blocks_to_swap_in if self.rank == 0 else [])")),
     m(11, "a worker with block ids of its own", (
-        "block_tables=torch.from_numpy(step.block_tables).to(device),",
-        "block_tables=torch.from_numpy(step.block_tables[:, ::-1].copy() if self.rank\n"
-        "                                       else step.block_tables).to(device),")),
+        "AttentionMetadata.from_host(step.slot_mapping, step.block_tables, step.seq_lens,",
+        "AttentionMetadata.from_host(step.slot_mapping, step.block_tables[:, ::-1] if self.rank\n"
+        "                                           else step.block_tables, step.seq_lens,")),
     m(11, "logits of rank 0's vocabulary slice only", (
         "return logits.cpu().numpy() if self.rank == 0 else None",
         "return logits[:, :-(-logits.shape[1] // self.world_size)].cpu().numpy() if self.rank == 0 else None")),

@@ -1,0 +1,155 @@
+"""On a CUDA device: the engine equal to Hugging Face token for token, the sampler's seeds, a decode step
+that waits for the device once, and the server. Skipped without CUDA (the CPU proves the same code
+path with fake CUDA tensors: tests/test_device_discipline.py)."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from minipaged import stage10_v1_scheduler
+from minipaged.common.sampler import Sampler
+from minipaged.common.sampling_params import SamplingParams
+from minipaged.stage7_engine import LLM
+from minipaged.stage7_model_runner import sample
+
+pytestmark = [pytest.mark.gpu, pytest.mark.rounding_free,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+ARCHITECTURES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+}
+PROMPTS = [[5, 17, 3], [9] * 17, list(range(40, 80)), [200]]
+STEPS = 12
+BF16_UNIT_ROUNDOFF = 2.0**-8  # bfloat16 keeps 8 bits of significand
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+    for i, (name, config) in enumerate(ARCHITECTURES.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(config()).eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        made[name] = path
+    return made
+
+
+def hf_model(path, dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+
+
+def hf_greedy(model, prompt):
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def ours(llm):
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                          use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+@pytest.mark.parametrize("front", ["stage7", "stage10"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_engine_equals_transformers_on_cuda_in_float32(checkpoints, arch, front, backend):
+    cls = LLM if front == "stage7" else stage10_v1_scheduler.LLM
+    llm = cls(str(checkpoints[arch]), device="cuda", dtype="float32", attention_backend=backend,
+              num_gpu_blocks=64, block_size=8)
+    hf = hf_model(checkpoints[arch], torch.float32)
+    assert ours(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_in_bfloat16_a_token_differs_only_where_the_two_best_are_within_rounding(checkpoints, arch):
+    """Each engine rounds its logits to bfloat16's 8 bits: where float32 says two tokens are closer than
+    one rounding of the largest logit on each side, either may win; nowhere else."""
+    llm = stage10_v1_scheduler.LLM(str(checkpoints[arch]), device="cuda", dtype="bfloat16",
+                                   attention_backend="triton", num_gpu_blocks=64, block_size=8)
+    hf32 = hf_model(checkpoints[arch], torch.float32)
+    hf16 = hf_model(checkpoints[arch], torch.bfloat16)
+    for prompt, mine in zip(PROMPTS, ours(llm), strict=True):
+        theirs = hf_greedy(hf16, prompt)
+        same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+        if same is None:
+            continue
+        with torch.no_grad():
+            logits = hf32(torch.tensor([prompt + mine[:same]], device="cuda")).logits[0, -1].float()
+        gap = abs(float(logits[mine[same]] - logits[theirs[same]]))
+        assert gap <= 2 * 2 * BF16_UNIT_ROUNDOFF * float(logits.abs().max()), (prompt, same, gap)
+
+
+def test_a_seed_draws_the_same_tokens_on_the_device_and_the_batch_equals_one_row():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 1000, device="cuda")
+    params = [SamplingParams(temperature=0.8, top_k=50, seed=s) for s in (1, 2, 3)]
+
+    class Row:
+        def __init__(self, seed):
+            self.prompt_token_ids, self.output_token_ids = [1], []
+            self.generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    batch = Sampler()(logits.clone(), [Row(p.seed) for p in params], params).token_ids
+    one_by_one = [sample(logits[i], p, torch.Generator(device="cuda").manual_seed(p.seed))
+                  for i, p in enumerate(params)]
+    assert batch == one_by_one
+    assert batch == Sampler()(logits.clone(), [Row(p.seed) for p in params], params).token_ids
+    llm = stage10_v1_scheduler.LLM("tiny", device="cuda", attention_backend="triton")
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+    first = llm.generate(["The cat"], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(["The cat"], seeded, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_a_decode_step_waits_for_the_device_at_most_twice(backend):
+    """CUDA's own count: torch warns at every synchronizing call (set_sync_debug_mode)."""
+    llm = stage10_v1_scheduler.LLM("tiny", device="cuda", attention_backend=backend)
+    for i in range(8):
+        llm.engine.add_request(i, {"prompt_token_ids": [3 + i, 4, 5]}, SamplingParams(max_tokens=10, temperature=0.5))
+    for _ in range(3):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 2, [str(w.message) for w in syncs]
+
+
+def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves():
+    free, total = torch.cuda.mem_get_info()
+    small = stage10_v1_scheduler.LLM("tiny", device="cuda", gpu_memory_utilization=0.05)
+    large = stage10_v1_scheduler.LLM("tiny", device="cuda", gpu_memory_utilization=0.10)
+    assert small.config.num_gpu_blocks < large.config.num_gpu_blocks
+    per_block = small.cache.key_cache[0][0].numel() * small.cache.key_cache[0].element_size() * 2 * len(
+        small.cache.key_cache)
+    assert small.config.num_gpu_blocks * per_block <= 0.05 * total
+    fixed = stage10_v1_scheduler.LLM("tiny", device="cuda", num_gpu_blocks=64, gpu_memory_utilization=0.9)
+    assert fixed.config.num_gpu_blocks == 64  # an explicit size wins, as vLLM's num_gpu_blocks_override does
+
+
+def test_the_server_answers_on_cuda():
+    from fastapi.testclient import TestClient
+
+    from minipaged.serving.app import build_app
+
+    llm = stage10_v1_scheduler.LLM("tiny", device="cuda", attention_backend="triton")
+    expected = llm.generate(["The cat"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0]
+    with TestClient(build_app(llm)) as client:
+        reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "The cat", "max_tokens": 8,
+                                                     "temperature": 0.0})
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["text"] == expected.outputs[0].text
