@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from minipaged.common.device import to_device
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.models import CausalLM
 from minipaged.stage2_block_table import PagedKVCache
@@ -152,10 +153,9 @@ class V1ModelRunner:
         logits_indices = np.concatenate([(ends - 1)[done],
                                          self.prompt_logits_indices(out, batch.num_computed_tokens[rows], ends)])
         with torch.inference_mode():
-            hidden = self.model(torch.from_numpy(token_ids).to(self.device),
-                                torch.from_numpy(positions).to(self.device), self.cache, meta)
+            hidden = self.model(to_device(token_ids, self.device), to_device(positions, self.device), self.cache, meta)
             batch.num_computed_tokens[rows] = seq_lens
-            logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(logits_indices).to(self.device)))
+            logits = self.model.compute_logits(hidden.index_select(0, to_device(logits_indices, self.device)))
             logits = logits.float()
         return [r for r, d in zip(out.num_scheduled_tokens, done.tolist(), strict=True) if d], logits
         # END SOLUTION

@@ -58,7 +58,7 @@ from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
-from minipaged.stage7_model_runner import ModelRunner, Runner, prompt_logprob_rows
+from minipaged.stage7_model_runner import ModelRunner, Runner, determine_available_kv_memory, prompt_logprob_rows
 
 CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
@@ -281,11 +281,15 @@ class LLM:
         config = EngineConfig(model=model, **kwargs)
         path = resolve_model_path(model)
         self.model_config = load_config(path)
-        self.config = config = self.check_config(config.resolve(self.model_config))
         self.dtype, self.device = config.torch_dtype, torch.device(config.device)
+        profiled = None
+        if config.profiles_kv_cache:  # the weights first: the cache takes what they and a step leave
+            profiled = load_model(path, self.dtype, self.device)[0]
+            config = dataclasses.replace(config, kv_cache_memory=self.profile_kv_cache_memory(profiled, config))
+        self.config = config = self.check_config(config.resolve(self.model_config))
         self.max_model_len = config.max_model_len
         self.scheduler = self.build_scheduler(self.build_block_manager())
-        self.model = self.build_model(path)
+        self.model = profiled if profiled is not None else self.build_model(path)
         self.tokenizer = load_tokenizer(path)
         mc = self.model_config
         self.cache = self.build_cache()
@@ -304,6 +308,21 @@ class LLM:
         if config.speculative_config is not None:
             raise ValueError("speculative_config is stage 12's: this engine decodes one token per step")
         return config
+
+    def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
+        """The bytes of K/V that ``gpu_memory_utilization`` leaves (``determine_available_kv_memory``),
+        profiled with the largest step: ``max_num_batched_tokens`` tokens (8192 by default, or the
+        model's positions), and the logits of ``max_num_seqs`` rows. ``ValueError`` if nothing is left."""
+        mc = self.model_config
+        num_tokens = config.max_num_batched_tokens or min(8192, mc.max_position_embeddings)
+        available = determine_available_kv_memory(model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                  config.block_size, num_tokens, min(config.max_num_seqs, num_tokens),
+                                                  config.gpu_memory_utilization, self.attention_backend_named(
+                                                      config.attention_backend))
+        if available < config.block_size * mc.kv_bytes_per_token(self.dtype):
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the "
+                             f"KV cache after the weights and a step of {num_tokens} tokens")
+        return available
 
     def build_model(self, path: Path) -> CausalLM:
         """The model the runner calls: the checkpoint's, on this ``LLM``'s device and dtype."""
@@ -335,7 +354,11 @@ class LLM:
 
     def attention_backend(self) -> Callable[..., torch.Tensor]:
         """Stage 4's reference, or stage 5's Triton kernels (imported only when asked for)."""
-        if self.config.attention_backend == "triton":
+        return self.attention_backend_named(self.config.attention_backend)
+
+    @staticmethod
+    def attention_backend_named(name: str) -> Callable[..., torch.Tensor]:
+        if name == "triton":
             from minipaged.stage5_triton_attention import paged_attention_triton
 
             return paged_attention_triton

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 import torch
 
+from minipaged.common.device import to_device
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import SamplingParams
@@ -37,8 +38,8 @@ from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 if TYPE_CHECKING:  # the engine's requests, named in annotations only
     from minipaged.stage7_engine import Request
 
-__all__ = ["ModelRunner", "Runner", "Sampler", "build_attention_metadata", "process_logits", "prompt_logprob_rows",
-           "sample"]
+__all__ = ["ModelRunner", "Runner", "Sampler", "build_attention_metadata", "determine_available_kv_memory",
+           "process_logits", "prompt_logprob_rows", "sample"]
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -114,6 +115,32 @@ def build_attention_metadata(cache: PagedKVCache, slot_mapping: np.ndarray, bloc
                                        cache.key_cache[0].device)
 
 
+def determine_available_kv_memory(model: CausalLM, num_layers: int, num_kv_heads: int, head_dim: int,
+                                  block_size: int, num_tokens: int, num_rows: int, gpu_memory_utilization: float,
+                                  backend: Callable[..., torch.Tensor]) -> int:
+    """vLLM's ``determine_num_available_blocks``, in bytes: what ``gpu_memory_utilization`` of the CUDA
+    device's memory leaves for K/V once the weights, the memory other processes hold, and the peak of
+    a profiling forward (``num_tokens`` tokens of one prompt, then the logits of ``num_rows`` rows, the
+    largest step the engine schedules) are taken."""
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    cache = PagedKVCache(num_layers, -(-num_tokens // block_size), block_size, num_kv_heads, head_dim, dtype, device)
+    cache_bytes = 2 * sum(t.numel() * t.element_size() for t in cache.key_cache)
+    positions = np.arange(num_tokens)
+    table = np.arange(cache.num_blocks, dtype=np.int32)[None, :]  # (1, num_blocks): the prompt's blocks in order
+    meta = build_attention_metadata(cache, positions, table, np.array([num_tokens], np.int32),
+                                    np.array([0, num_tokens], np.int32), backend)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        hidden = model(to_device(np.zeros(num_tokens, np.int64), device), to_device(positions, device), cache, meta)
+        model.compute_logits(hidden[:num_rows]).float()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - cache_bytes  # the weights and the step's activations
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)  # what this process's allocator does not hold
+    return int(total * gpu_memory_utilization - peak - others)
+
+
 class Runner(Protocol):
     """What the engine asks of a runner: ``ModelRunner``, or a stand-in without a model (``minipaged.perf``)."""
 
@@ -158,8 +185,7 @@ class ModelRunner:
             self.block_manager.block_tables_tensor(seq_ids).numpy(), np.array([len(s) for s in seqs], dtype=np.int32),
             None if max(counts) == 1 else np.concatenate([[0], ends]).astype(np.int32), self.backend)
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                self.cache, meta)
+            hidden = self.model(to_device(ids, self.device), to_device(positions, self.device), self.cache, meta)
         return self.compute_logits(out, hidden, ends - 1)
         # END SOLUTION
 
@@ -167,6 +193,6 @@ class ModelRunner:
         """float32 logits of the flat tokens ``logits_indices`` (one per sequence), then of the prompt
         positions of the requests that ask for ``prompt_logprobs`` (``prompt_logprob_rows``)."""
         extra = [offset + p - positions.start for _, positions, offset in prompt_logprob_rows(out) for p in positions]
-        rows = torch.tensor([*logits_indices.tolist(), *extra], dtype=torch.int64, device=self.device)
+        rows = to_device([*logits_indices.tolist(), *extra], self.device, torch.int64)
         with torch.inference_mode():
             return self.model.compute_logits(hidden.index_select(0, rows)).float()

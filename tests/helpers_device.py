@@ -210,6 +210,8 @@ class _AtenIndexing(TorchFunctionMode):
                 return t
             return torch.ops.aten._to_copy(t, dtype=dtype, device=device, non_blocking=kwargs.get("non_blocking",
                                                                                                     False))
+        if func is torch.Tensor.pin_memory:  # page-locked host memory, which a CPU build cannot give
+            return args[0]
         if func in _SCALAR_READS and args[0].device.type == "cuda":  # a host sync: raises, as .tolist() does
             return torch.ops.aten._local_scalar_dense.default(args[0])
         if func is torch.tensor and torch.device(kwargs.get("device") or "cpu").type == "cuda":

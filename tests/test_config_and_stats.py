@@ -21,6 +21,7 @@ TINY = load_config("tiny")
     {"max_model_len": 0}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 2.0}, {"kv_cache_memory": 0},
     {"seed": 1.5}, {"attention_backend": "flash"}, {"preemption_mode": "drop"},
     {"enable_prefix_caching": "yes"}, {"dtype": "int8"}, {"device": "gpu0"}, {"model": 3},
+    {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": 1.01}, {"gpu_memory_utilization": "0.9"},
 ])
 def test_a_bad_argument_is_a_value_error_before_anything_loads(kwargs):
     with pytest.raises(ValueError):
@@ -39,6 +40,17 @@ def test_resolve_derives_what_depends_on_the_model():
     assert EngineConfig(num_gpu_blocks=64, max_model_len=100).resolve(TINY).max_model_len == 100  # given, kept
     with pytest.raises(ValueError):
         EngineConfig(max_model_len=TINY.max_position_embeddings + 1).resolve(TINY)
+
+
+def test_on_cuda_the_cache_is_sized_by_what_gpu_memory_utilization_leaves_unless_a_size_is_given():
+    """vLLM's rule: one process on CUDA profiles its memory; a size given, a CPU, or workers that each
+    hold a GPU do not (a CPU keeps the 256 MiB default)."""
+    assert EngineConfig(device="cuda").profiles_kv_cache
+    for kwargs in ({"device": "cpu"}, {"device": "cuda", "num_gpu_blocks": 8},
+                   {"device": "cuda", "kv_cache_memory": 2**20}, {"device": "cuda", "tensor_parallel_size": 2}):
+        assert not EngineConfig(**kwargs).profiles_kv_cache
+    per_block = 16 * TINY.kv_bytes_per_token(EngineConfig().torch_dtype)
+    assert EngineConfig().resolve(TINY).num_gpu_blocks == 256 * 2**20 // per_block
 
 
 def test_llm_is_built_from_its_resolved_config():

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from minipaged.common.checks import check_choice, check_int
+from minipaged.common.checks import check_choice, check_float, check_int
 from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
+DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU, or when the device's memory is not profiled
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 
 
@@ -58,15 +59,18 @@ class EngineConfig:
     """Everything an engine is built from, with vLLM's names and meanings.
 
     ``None`` means "derive it" (``resolve``): ``num_gpu_blocks`` as many blocks as
-    ``kv_cache_memory`` bytes hold; ``max_model_len`` the model's positions or what the cache
-    holds, whichever is smaller; ``num_cpu_blocks`` as many as the GPU blocks when
-    ``preemption_mode="swap"``, else none; ``max_num_batched_tokens`` the scheduler's default.
+    ``kv_cache_memory`` bytes hold; ``kv_cache_memory``, on CUDA in one process, what
+    ``gpu_memory_utilization`` of the device leaves after the weights and a profiling forward
+    (``LLM`` measures it: vLLM's ``determine_num_available_blocks``), else 256 MiB; ``max_model_len``
+    the model's positions or what the cache holds, whichever is smaller; ``num_cpu_blocks`` as many
+    as the GPU blocks when ``preemption_mode="swap"``, else none; ``max_num_batched_tokens`` the scheduler's default.
     """
 
     model: str | os.PathLike = "tiny"
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    kv_cache_memory: int = 256 * 2**20  # bytes of K/V when num_gpu_blocks is None
+    kv_cache_memory: int | None = None  # bytes of K/V when num_gpu_blocks is None
+    gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device's memory this engine may take
     num_cpu_blocks: int | None = None  # swap space, in blocks
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
@@ -90,7 +94,8 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
-        check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        check_int("kv_cache_memory", self.kv_cache_memory, 1, allow_none=True)
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, open_low=True)
         check_int("seed", self.seed, -(2**63))
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
@@ -117,8 +122,9 @@ class EngineConfig:
         positions = model_config.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {positions} positions")
+        kv_cache_memory = DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
         num_gpu_blocks = self.num_gpu_blocks or max(
-            1, self.kv_cache_memory // (self.block_size * model_config.kv_bytes_per_token(self.torch_dtype)))
+            1, kv_cache_memory // (self.block_size * model_config.kv_bytes_per_token(self.torch_dtype)))
         max_model_len = self.max_model_len or min(positions, num_gpu_blocks * self.block_size)
         window = model_config.sliding_window
         if window and max_model_len > window:
@@ -129,6 +135,13 @@ class EngineConfig:
             num_cpu_blocks = num_gpu_blocks if self.preemption_mode == "swap" else 0
         return ResolvedEngineConfig(**{**vars(self), "num_gpu_blocks": num_gpu_blocks, "max_model_len": max_model_len,
                                        "num_cpu_blocks": num_cpu_blocks})
+
+    @property
+    def profiles_kv_cache(self) -> bool:
+        """Whether the cache is sized by what ``gpu_memory_utilization`` leaves: on CUDA, in one process,
+        with neither ``num_gpu_blocks`` nor ``kv_cache_memory`` given."""
+        return (torch.device(self.device).type == "cuda" and self.num_gpu_blocks is None
+                and self.kv_cache_memory is None and self.tensor_parallel_size == 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:

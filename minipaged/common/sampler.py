@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from minipaged.common.device import to_device
 from minipaged.common.sampling_params import SamplingParams
 
 
@@ -61,40 +62,44 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampledRow], params: Se
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)) if 0 <= t < vocab]
     if banned:
         banned_rows, banned_cols = zip(*banned, strict=True)
-        logits[list(banned_rows), list(banned_cols)] = float("-inf")
+        logits[to_device(banned_rows, device), to_device(banned_cols, device)] = float("-inf")
     biased = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     if biased:
         bias_rows, bias_cols, bias = zip(*biased, strict=True)
         if not all(0 <= t < vocab for t in bias_cols):
             raise ValueError(f"logit_bias has token ids outside the vocabulary ({vocab})")
-        logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
-                          torch.tensor(bias, dtype=dtype, device=device), accumulate=True)
+        logits.index_put_((to_device(bias_rows, device), to_device(bias_cols, device)),
+                          to_device(bias, device, dtype), accumulate=True)
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:  # (len(rep), vocab): which tokens each row has seen, prompt and output
         seen_rows = [k for k, i in enumerate(rep) for _ in seqs[i].prompt_token_ids + seqs[i].output_token_ids]
         seen_cols = [t for i in rep for t in seqs[i].prompt_token_ids + seqs[i].output_token_ids]
         seen = torch.zeros(len(rep), vocab, dtype=torch.bool, device=device)
-        seen[seen_rows, seen_cols] = True
-        penalty = torch.tensor([params[i].repetition_penalty for i in rep], dtype=dtype, device=device)[:, None]
-        rows = logits[rep]
-        logits[rep] = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
+        seen[to_device(seen_rows, device), to_device(seen_cols, device)] = True
+        penalty = to_device([params[i].repetition_penalty for i in rep], device, dtype)[:, None]
+        rep_rows = to_device(rep, device)
+        rows = logits[rep_rows]
+        logits[rep_rows] = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
     counted = [i for i, p in enumerate(params)
                if (p.frequency_penalty or p.presence_penalty) and seqs[i].output_token_ids]
     if counted:  # (len(counted), vocab): each token's count in the row's output
         out_rows = [k for k, i in enumerate(counted) for _ in seqs[i].output_token_ids]
         out_cols = [t for i in counted for t in seqs[i].output_token_ids]
         counts = torch.zeros(len(counted), vocab, dtype=dtype, device=device)
-        counts.index_put_((torch.tensor(out_rows, device=device), torch.tensor(out_cols, device=device)),
+        counts.index_put_((to_device(out_rows, device), to_device(out_cols, device)),
                           torch.ones(len(out_cols), dtype=dtype, device=device), accumulate=True)
-        freq = torch.tensor([params[i].frequency_penalty for i in counted], dtype=dtype, device=device)[:, None]
-        presence = torch.tensor([params[i].presence_penalty for i in counted], dtype=dtype, device=device)[:, None]
-        logits[counted] = logits[counted] - freq * counts - presence * (counts > 0).to(dtype)
+        freq = to_device([params[i].frequency_penalty for i in counted], device, dtype)[:, None]
+        presence = to_device([params[i].presence_penalty for i in counted], device, dtype)[:, None]
+        counted_rows = to_device(counted, device)
+        logits[counted_rows] = logits[counted_rows] - freq * counts - presence * (counts > 0).to(dtype)
     cut = [i for i, p in enumerate(params) if p.min_p > 0 and p.temperature > 0]
     if cut:
-        temp = torch.tensor([params[i].temperature for i in cut], device=device)[:, None]
-        min_p = torch.tensor([params[i].min_p for i in cut], device=device)[:, None]
-        probs = torch.softmax(logits[cut] / temp, dim=-1)
-        logits[cut] = logits[cut].masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        temp = to_device([params[i].temperature for i in cut], device)[:, None]
+        min_p = to_device([params[i].min_p for i in cut], device)[:, None]
+        cut_rows = to_device(cut, device)
+        probs = torch.softmax(logits[cut_rows] / temp, dim=-1)
+        logits[cut_rows] = logits[cut_rows].masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values,
+                                                        float("-inf"))
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -155,13 +160,13 @@ class Sampler:
         drawn = [i for i, p in enumerate(params) if p.temperature > 0]
         if drawn:
             vocab, device = logits.shape[1], logits.device
-            rows = torch.tensor(drawn, device=device)
-            temp = torch.tensor([params[i].temperature for i in drawn], dtype=logits.dtype, device=device)[:, None]
+            rows = to_device(drawn, device)
+            temp = to_device([params[i].temperature for i in drawn], device, logits.dtype)[:, None]
             top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in drawn]
             top_p = [params[i].top_p for i in drawn]
             cut = top_k_top_p(logits.index_select(0, rows) / temp,  # (len(drawn), vocab)
-                              torch.tensor(top_k, device=device) if min(top_k) < vocab else None,
-                              torch.tensor(top_p, device=device) if min(top_p) < 1 else None)
+                              to_device(top_k, device) if min(top_k) < vocab else None,
+                              to_device(top_p, device) if min(top_p) < 1 else None)
             token_ids[rows] = draw(torch.softmax(cut, dim=-1), [seqs[i].generator for i in drawn])
             if self.logprobs_mode.startswith("processed"):
                 processed = logits.clone()
@@ -177,7 +182,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], 
     ones (and the chosen one), ``{token: logprob}``, only for the rows whose ``num_logprobs`` is a
     number ``k``; on the host. ``as_logits``: the logits themselves instead (the same tokens are the
     top ones). The tokens and their log-probabilities come back in one copy, the top ones in one more."""
-    tokens = torch.as_tensor(token_ids, device=logits.device)
+    tokens = token_ids if isinstance(token_ids, torch.Tensor) else to_device(token_ids, logits.device, torch.int64)
     rows = logits if as_logits else torch.log_softmax(logits, dim=-1)  # (n, vocab); one pass
     chosen = rows.gather(1, tokens[:, None])[:, 0]
     # one copy to the host: token ids are exact in float64 (and any vocabulary below 2**53)
@@ -186,7 +191,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], 
     top: list[dict[int, float] | None] = [None] * len(tokens_list)
     asked = [i for i, k in enumerate(num_logprobs) if k is not None]
     if asked:
-        values, indices = torch.topk(rows[asked], max(num_logprobs[i] or 0 for i in asked))
+        values, indices = torch.topk(rows[to_device(asked, logits.device)], max(num_logprobs[i] or 0 for i in asked))
         host_values, host_indices = torch.stack((values.to(torch.float64), indices.to(torch.float64))).tolist()
         for r, i in enumerate(asked):
             k = num_logprobs[i] or 0

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.common.device import to_device
 from minipaged.models.config import ModelConfig
 
 
@@ -46,7 +47,7 @@ class AttentionMetadata:
                   query_start_loc: np.ndarray | None, backend: Callable, device: torch.device) -> AttentionMetadata:
         """The step's metadata from its host arrays (checked already): one copy of each to ``device``."""
         def upload(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+            return to_device(array.astype(np.dtype(str(dtype).removeprefix("torch."))), device)
 
         return cls(upload(slot_mapping, torch.int64), upload(block_tables, torch.int32), upload(seq_lens, torch.int32),
                    None if query_start_loc is None else upload(query_start_loc, torch.int32), backend,
