@@ -19,6 +19,7 @@ once, each row with its own parameters and generator, and is tested equal to it 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -129,6 +130,7 @@ def determine_available_kv_memory(model: CausalLM, num_layers: int, num_kv_heads
     table = np.arange(cache.num_blocks, dtype=np.int32)[None, :]  # (1, num_blocks): the prompt's blocks in order
     meta = build_attention_metadata(cache, positions, table, np.array([num_tokens], np.int32),
                                     np.array([0, num_tokens], np.int32), backend)
+    gc.collect()  # an engine dropped before this one gives its memory back first
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
