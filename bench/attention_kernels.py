@@ -11,11 +11,17 @@ sequence) with K/V in a paged cache of randomly scattered blocks:
 
 Achieved bandwidth = bytes of K/V that must be read / time, and its share of the
 device's peak. On a GPU: bfloat16, 32 query / 8 KV heads, head dim 128, block 16, batch
-1/8/64/256 x context 512/2k/8k/32k; the headline is batch 64 at context 4k. On a CPU the
-kernels run in Triton's interpreter: only small correctness-sized cases run, and their
-timings say nothing about GPU speed.
+1/8/64/256 x context 512/2k/4k/8k/32k; the headline is batch 64 at context 4k. Each case is
+made on the device, from a generator there (a batch of 256 at 32k is 34 GB of K/V: made on the
+CPU and copied, it would take minutes); a case whose K/V would not fit three times in the free
+memory is skipped. Every kernel's output is checked against the contiguous ``sdpa``'s; the
+timed calls skip the argument checks (``validate=False``) and are given the longest sequence
+(``max_seq_len``), so that none reads anything back from the device. On a CPU
+(``--device cpu``, the default without a GPU) the kernels run in Triton's interpreter: only
+small correctness-sized cases run, and their timings say nothing about GPU speed.
 
-Writes bench/results/attention_kernels.json and .png; the last line is the headline.
+Writes bench/results/attention_kernels.json and .png (a GPU's under bench/results/gpu/, with its
+name and the versions that measured it; --quick under quick/); the last line is the headline.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -34,7 +41,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from harness import make_parser, results_dir_for  # noqa: E402
+from harness import add_device_arguments, environment, make_parser, results_dir_for  # noqa: E402
 
 from minipaged.stage4_reference_attention import paged_attention_ref  # noqa: E402
 from minipaged.stage5_triton_attention import paged_attention_triton  # noqa: E402
@@ -51,14 +58,17 @@ def peak_bandwidth(name: str) -> float | None:
 
 
 def make_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """A decode case made on ``device``: the query, a paged K/V cache whose blocks are shuffled
+    across the sequences, the block tables and the sequence lengths."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    block_tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32).to(device)
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen, dtype=dtype, device=device)
+    value_cache = torch.randn(cache_shape, generator=gen, dtype=dtype, device=device)
+    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(device)
+    query = torch.randn(batch, heads, head_dim, generator=gen, dtype=dtype, device=device)
     return query, key_cache, value_cache, block_tables, seq_lens
 
 
@@ -69,12 +79,18 @@ def contiguous_sdpa(query, key_cache, value_cache, block_tables, context):
     k = key_cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     v = value_cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     q = query.view(batch, kv_heads, heads // kv_heads, dim)  # a KV head's query heads as its rows
-    return lambda: F.scaled_dot_product_attention(q, k, v), (k, v)
+    return lambda: F.scaled_dot_product_attention(q, k, v)  # (batch, kv_heads, group, dim)
 
 
-def timed(fn, device) -> float:
+def free_bytes(device: torch.device) -> int:
+    """The device's free memory, counting what torch's allocator holds but no tensor uses."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def timed(fn, device: torch.device) -> float:
     """Median milliseconds per call."""
-    if device == "cuda":
+    if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -87,15 +103,45 @@ def timed(fn, device) -> float:
     return sorted(times)[1]
 
 
+def measure(case: tuple[torch.Tensor, ...], context: int, kv_bytes: int, device: torch.device) -> dict[str, float]:
+    """Milliseconds per call of each kernel on ``case``, each output checked against ``sdpa``'s first.
+
+    The paged calls are given ``validate=False`` and the host's lengths (one query each, ``context``
+    tokens at most), so that no timed call waits to read them from the device. Stage 4's ``ref``
+    gathers every sequence's K/V in float32: it runs only where that stays under 2 GB."""
+    lengths: dict[str, Any] = {"validate": False, "max_query_len": 1, "max_seq_len": context}
+    query, key_cache, value_cache, block_tables, _ = case
+    sdpa = contiguous_sdpa(query, key_cache, value_cache, block_tables, context)
+    kernels = {"sdpa": sdpa,
+               "v1": lambda: paged_attention_triton(*case, version="v1", **lengths),
+               "v2": lambda: paged_attention_triton(*case, version="v2", **lengths)}
+    if kv_bytes < 2**31:
+        kernels["ref"] = lambda: paged_attention_ref(*case, **lengths)
+    expected = sdpa().reshape(query.shape).float()  # query head h is row h % group of KV head h // group
+    tolerance = 3e-2 if query.dtype == torch.bfloat16 else 1e-4
+    ms = {}
+    for kernel, fn in kernels.items():
+        if kernel != "sdpa":
+            err = (fn().float() - expected).abs().max().item()
+            assert err < tolerance, f"{kernel} is wrong: {err}"
+        ms[kernel] = timed(fn, device)
+    return ms
+
+
 def main() -> None:
     parser = make_parser(__doc__, quick="fewer shapes")
     parser.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth")
+    add_device_arguments(parser, dtype=False)
     args = parser.parse_args()
+    on_gpu = args.device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels were defined, at import
+        parser.error("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     results_dir = results_dir_for(args)
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
+    device = torch.device(args.device)
     if on_gpu:
-        name = torch.cuda.get_device_name()
+        name = torch.cuda.get_device_name(device)
         dtype, heads, kv_heads, head_dim, block_size = torch.bfloat16, 32, 8, 128, 16
         batches = [1, 64] if args.quick else [1, 8, 64, 256]
         contexts = [512, 4096] if args.quick else [512, 2048, 4096, 8192, 32768]
@@ -109,31 +155,19 @@ def main() -> None:
     rows = []
     for batch in batches:
         for context in contexts:
-            kv_bytes = 2 * batch * context * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-            if on_gpu and 3 * kv_bytes > 0.8 * torch.cuda.mem_get_info()[0]:
+            kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
+            if on_gpu and 3 * kv_bytes > 0.8 * free_bytes(device):  # the paged K/V, its contiguous copy, and room
                 continue
-            case = make_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device)
-            sdpa, _ = contiguous_sdpa(*case[:4], context)
-            expected = paged_attention_ref(*case)
-            row = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "ms": {}}
-            kernels = {"sdpa": sdpa,
-                       "v1": lambda c=case: paged_attention_triton(*c, version="v1", validate=False),
-                       "v2": lambda c=case: paged_attention_triton(*c, version="v2", validate=False)}
-            if kv_bytes < 2**31:
-                kernels["ref"] = lambda c=case: paged_attention_ref(*c)
-            for kernel, fn in kernels.items():
-                out = fn()
-                if kernel != "sdpa":
-                    err = (out.float() - expected.float()).abs().max().item()
-                    assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), f"{kernel} is wrong: {err}"
-                row["ms"][kernel] = timed(fn, device)
+            row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes,
+                   "ms": measure(make_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device),
+                                 context, kv_bytes, device)}
             row["gbps"] = {k: kv_bytes / (ms * 1e-3) / 1e9 for k, ms in row["ms"].items()}
             rows.append(row)
             cells = "  ".join(f"{k} {ms:8.3f} ms {row['gbps'][k]:7.0f} GB/s" for k, ms in row["ms"].items())
             print(f"batch {batch:>3}  context {context:>5}:  {cells}")
-            del case
     (results_dir / "attention_kernels.json").write_text(json.dumps(
-        {"device": name, "dtype": str(dtype), "peak_gbps": peak, "rows": rows}, indent=2))
+        {"device": name, "dtype": str(dtype), "peak_gbps": peak, "environment": environment(device), "rows": rows},
+        indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))
     for kernel in ("sdpa", "ref", "v1", "v2"):
         points = [(r["batch"] * r["context"], r["gbps"][kernel]) for r in rows if kernel in r["gbps"]]
@@ -149,7 +183,7 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(results_dir / "attention_kernels.png", dpi=120)
     if not on_gpu:
-        print(f"CPU: v1, v2 and ref agree on {len(rows)} cases; the speed figures need a GPU")
+        print(f"CPU: v1, v2 and ref agree with the contiguous sdpa on {len(rows)} cases; the speed figures need a GPU")
         return
     head = next((r for r in rows if r["batch"] == 64 and r["context"] == 4096), rows[-1])
     overhead = head["ms"]["v2"] / head["ms"]["sdpa"] - 1

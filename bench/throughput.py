@@ -4,11 +4,13 @@ All run the same model on the same machine in the same process: minipaged's ``LL
 by default, ``--engine stage7`` for the lower one; ``--async-scheduling`` where stage 10 has it),
 Hugging Face ``generate`` in static batches, transformers' own continuous batching (its
 ``ContinuousBatchingManager``, the engine behind ``generate_batch``, with paged attention), and
-CTranslate2, a C++ inference engine, on its own float32 conversion of the model.
+CTranslate2, a C++ inference engine, on its own float32 conversion of the model (on the CPU only).
 
-The requests have ShareGPT-like prompt and output lengths (prompts of 2 tokens at least), and each
-request generates exactly its output length (end tokens are ignored everywhere). Two models
-(``--model``):
+Each request generates exactly its output length (end tokens are ignored everywhere). Two
+workloads (``--workload``):
+
+``sharegpt`` (the default): ShareGPT-like prompt and output lengths, log-normal with a long tail
+(prompts of 2 tokens at least), on one of two models (``--model``):
 
 * ``tiny`` (the default): the 4-layer Llama that ships with minipaged; 128 requests (64 with
   --quick), the paper's means (161 and 338 tokens of 2048) scaled to its 512 positions. The model
@@ -18,6 +20,16 @@ request generates exactly its output length (end tokens are ignored everywhere).
   --quick), mean prompt 8 and output 8 tokens, at most 48 together, so that a full run takes about
   a quarter of an hour on one CPU thread. Here the forward pass dominates.
 
+``steady``, meant for a GPU: nano-vllm's throughput workload (its bench.py; bench/workloads.py
+draws the same requests): 256 requests, prompt and output lengths each uniform in 100..1024
+tokens of random ids, all served in one batch of 256 on the Qwen2.5-0.5B-shaped model. Most of
+the run decodes a full batch: the steady state, not the tail. For scale, not measured here:
+nano-vllm's README reports, for its own Qwen3-0.6B (28 layers, hidden 1024) on an RTX 4070 Laptop
+(8 GB), 1,434 generated tokens/s for nano-vllm and 1,362 for vLLM on this workload. A full run
+takes about a quarter of an hour on an H200 (each repeat: minipaged about 20 s, ``generate`` 90 s,
+transformers' continuous batching 140 s). On the CPU it is far too big: ``--quick`` shrinks it to
+8 requests of 16..64 tokens each way, a check that it runs, not a measurement.
+
 Static ``generate`` serves the requests in batches of the same size as minipaged's
 ``max_num_seqs``, left-padded, each batch running until its longest request is done, as it must;
 transformers' continuous batching gets the same number of requests per batch. CTranslate2 batches
@@ -25,25 +37,35 @@ statically too: it sorts the requests by prompt length and cuts them into batche
 a request that has its tokens leaves its batch (a callback stops it at its own length), but no
 waiting request takes its place, so each batch runs until its longest request is done. It also
 forwards a batch's prompts at once only as far as the shortest of them goes; the rest of each
-longer prompt takes one decoding step a token.
+longer prompt takes one decoding step a token. minipaged's KV cache holds every running request
+at its longest (no preemption), as the peers' caches do.
 
 Throughput counts the generated tokens each request asked for, per second of wall time, the
 median of 3 runs of each side, the four sides taken in turn in each repeat (one run with
 --quick); every run's figure, the thread count of each side and the load average before and after
-are kept in the results. The greedy outputs are compared with transformers' continuous batching
-and with CTranslate2 (how many are token for token the same). Also reported: the share of
+are kept in the results. Every side is warmed up first, greedily like the timed runs, and each of
+minipaged's runs is a fresh engine: its prefix cache (always on in stage 10) would otherwise serve
+the prompts of the run before. The greedy outputs are compared with transformers' continuous
+batching and with CTranslate2 (how many are token for token the same). Also reported: the share of
 minipaged's wall time spent outside the model's forward pass (scheduling, block bookkeeping,
 inputs, sampling).
 
-Caveats: everything runs in float32 on the CPU, where a side's runs spread on a shared machine:
-read the figures as ratios measured side by side, not as absolute speeds. With the 0.5B model's random
-weights a greedy choice can be a close call, so an output may differ between engines that round
-differently. If CTranslate2 cannot be installed (``pip install '.[bench]'``) or cannot run the
-model, the other three sides still run and the reason is in the results.
+On a GPU (``--device cuda``, the default where there is one) every side but CTranslate2 runs on
+it, in bfloat16 (``--dtype``), minipaged with stage 5's Triton kernels; each timed run starts and
+ends with ``torch.cuda.synchronize()``, and the forward's share is the device's time (CUDA events
+around each forward, read after the run, so that measuring it makes the host wait for nothing).
+
+Caveats: on the CPU everything runs in float32, where a side's runs spread on a shared machine:
+read the figures as ratios measured side by side, not as absolute speeds. With the 0.5B model's
+random weights a greedy choice can be a close call, so an output may differ between engines that
+round differently (in bfloat16, often). If CTranslate2 cannot be installed (``pip install
+'.[bench]'``) or cannot run the model, the other three sides still run and the reason is in the
+results.
 
 Writes bench/results/throughput.json and .png for the tiny model, throughput_<model>.json and .png
-for another; the last line is the ratios. ``--plot-only`` redraws the .png from the saved .json
-without measuring anything.
+for another, throughput_steady.json and .png for the steady workload; a GPU's run writes under
+bench/results/gpu/ instead, with the GPU's name and the versions that measured it. The last line
+is the ratios. ``--plot-only`` redraws the .png from the saved .json without measuring anything.
 """
 
 from __future__ import annotations
@@ -53,6 +75,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -63,32 +86,37 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-from harness import make_parser, results_dir_for  # noqa: E402
+from harness import add_device_arguments, dtype_for, environment, make_parser, results_dir_for, synchronize  # noqa: E402
 from peer_models import WORKLOADS, ctranslate2_model, model_path  # noqa: E402
+from workloads import STEADY, STEADY_QUICK, steady  # noqa: E402
 
 from minipaged import stage7_engine, stage10_v1_scheduler  # noqa: E402
 from minipaged.common.config import EngineConfig  # noqa: E402
 from minipaged.common.threads import apply_threads  # noqa: E402
+from minipaged.models import resolve_dtype  # noqa: E402
 from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import SamplingParams  # noqa: E402
 
 ENGINES = {"stage10": stage10_v1_scheduler.LLM, "stage7": stage7_engine.LLM}
 HAS_ASYNC_SCHEDULING = "async_scheduling" in EngineConfig.__dataclass_fields__
 SIDES = ("minipaged", "transformers", "transformers_cb", "ctranslate2")
+BLOCK_SIZE = 16
 
 
 def hf_static_batches(model, prompts, outputs, batch_size, pad_id) -> float:
     """Seconds to serve every request with transformers, in padded batches of ``batch_size``."""
+    synchronize(model.device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch, lengths = prompts[i : i + batch_size], outputs[i : i + batch_size]
         width = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         steps = max(lengths)  # the batch runs until its longest request is done
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                            do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    synchronize(model.device)
     return time.perf_counter() - start
 
 
@@ -105,6 +133,7 @@ def hf_continuous_batching(model, prompts, outputs, batch_size) -> tuple[float, 
         manager.add_request([1, 2, 3], request_id="warm-up", max_new_tokens=2)  # not timed: start-up, warm-up
         while (result := manager.get_result(timeout=60)) is not None and not result.is_finished():
             pass
+        synchronize(model.device)
         start = time.perf_counter()
         ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
                for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))]
@@ -115,6 +144,7 @@ def hf_continuous_batching(model, prompts, outputs, batch_size) -> tuple[float, 
                 raise RuntimeError("transformers' continuous batching returned nothing for a minute")
             if result.is_finished():
                 results[result.request_id] = result.generated_tokens
+        synchronize(model.device)
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True)
@@ -161,27 +191,106 @@ def ctranslate2_batches(generator, vocabulary, prompts, outputs, batch_size) -> 
 
 
 class ForwardTimer:
-    """Wraps the model inside minipaged's runner and adds up the seconds of its forward passes."""
+    """Wraps the model inside minipaged's runner and adds up the seconds of its forward passes.
 
-    def __init__(self, model):
-        self.model, self.seconds = model, 0.0
+    On a GPU a forward returns once its kernels are queued, so a host clock would time their launch:
+    there each call is bracketed by two CUDA events, read by ``seconds`` once the run is over and
+    synchronized. Recording an event makes the host wait for nothing, so the timed run is not slowed."""
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.gpu = model, device.type == "cuda"
+        self.host_seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(self, fn, *args):
+        if self.gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(*args)
+            finally:
+                end.record()
+                self.events.append((start, end))
+        start_s = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.host_seconds += time.perf_counter() - start_s
 
     def __call__(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.model(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
+        return self.timed(self.model, *args)
 
     def compute_logits(self, hidden):
-        start = time.perf_counter()
-        try:
-            return self.model.compute_logits(hidden)
-        finally:
-            self.seconds += time.perf_counter() - start
+        return self.timed(self.model.compute_logits, hidden)
+
+    @property
+    def seconds(self) -> float:
+        """The forward passes' seconds; on a GPU, read after the device is synchronized."""
+        return self.host_seconds + sum(start.elapsed_time(end) for start, end in self.events) / 1e3
 
 
-def results_name(model: str) -> str:
+def warm_up_prompts(max_len: int) -> list[dict]:
+    """The untimed warm-up's requests: a short prompt, and one as long as ``max_len`` leaves room
+    for (past 512 tokens, stage 5's ``PARTITION_SIZE``, where it can be), so that on a GPU both of
+    stage 5's decode kernels (``use_v1`` picks v2 for a few long sequences) and its prefill kernel
+    are compiled before the timed runs. Token 1 over and over: no timed prompt shares a block with
+    it in the prefix cache."""
+    return [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1] * max(3, max_len - 8)}]
+
+
+def run_minipaged(args, path: Path, batch: int, max_len: int, prompts, outputs) -> dict:
+    """One timed run of minipaged's ``LLM`` on a fresh engine, warmed up greedily first: its
+    seconds, its share of them outside the forward, its steps and its tokens. A fresh engine, since
+    the prefix cache (always on in stage 10) would serve the run before's prompts again. Its KV
+    cache holds every running request at its longest: no preemption, as in the peers' caches."""
+    device = torch.device(args.device)
+    options = {"async_scheduling": True} if args.async_scheduling else {}
+    llm = ENGINES[args.engine](str(path), max_num_seqs=batch, max_model_len=max_len, block_size=BLOCK_SIZE,
+                               num_gpu_blocks=batch * -(-max_len // BLOCK_SIZE), device=args.device,
+                               dtype=dtype_for(args), attention_backend="triton" if device.type == "cuda" else "ref",
+                               **options)
+    llm.generate(warm_up_prompts(max_len), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    timer = llm.engine.runner.model = ForwardTimer(llm.engine.runner.model, device)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
+    steps_before = llm.stats.steps
+    synchronize(device)
+    start = time.perf_counter()
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "outside": 1 - timer.seconds / seconds, "steps": llm.stats.steps - steps_before,
+            "tokens": [r.outputs[0].token_ids for r in results]}
+
+
+def sharegpt_requests(model: str, quick: bool, vocab: int) -> tuple[list[list[int]], list[int], dict[str, Any]]:
+    """The model's ShareGPT-like requests (peer_models.WORKLOADS): prompts, output lengths, and
+    what the results say of the workload."""
+    workload = WORKLOADS[model]
+    max_len = workload["max_len"]
+    trace = synthetic_requests(workload["requests"][1 if quick else 0], mean_prompt=workload["mean_prompt"],
+                               mean_output=workload["mean_output"], max_len=max_len, seed=0)
+    # The prompts' ids are drawn on the CPU, from a seeded CPU generator: the same prompts on every device.
+    # Two prompt tokens at least: CTranslate2's generate_batch (4.8) takes a batch whose shortest prompt has one
+    # token as if include_prompt_in_result were True, and returns the prompts' tokens as output.
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (max(2, r.prompt_len),), generator=gen).tolist() for r in trace]
+    outputs = [min(r.output_len, max_len - len(p)) for r, p in zip(trace, prompts, strict=True)]
+    return prompts, outputs, {"name": "sharegpt", "mean_prompt": workload["mean_prompt"],
+                              "mean_output": workload["mean_output"], "max_len": max_len, "min_prompt": 2}
+
+
+def steady_requests(quick: bool) -> tuple[list[list[int]], list[int], dict[str, Any]]:
+    """nano-vllm's steady workload (workloads.steady), or its small --quick version."""
+    workload = STEADY_QUICK if quick else STEADY
+    prompts, outputs = steady(workload.requests, workload.lengths, seed=0)
+    return prompts, outputs, {"name": "steady", "lengths": list(workload.lengths), "max_len": workload.max_len,
+                              "source": "nano-vllm's bench.py"}
+
+
+def results_name(model: str, workload: str = "sharegpt") -> str:
+    if workload == "steady":
+        return "throughput_steady"
     return "throughput" if model == "tiny" else f"throughput_{model}"
 
 
@@ -202,7 +311,11 @@ def plot(data: dict, path: Path) -> None:
     ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows], fontsize=11)
     ax.tick_params(axis="y", labelsize=10)
     ax.set_ylabel("generated tokens / s", fontsize=11)
-    ax.set_title(f"{data['model']} model, {data['requests']} requests, {data['device']}", fontsize=11)
+    where = data["device"]
+    if where == "cuda" and data.get("environment"):
+        where = f"{data['environment']['device_name']}, {data.get('dtype', 'bfloat16')}"
+    workload = " (steady)" if data.get("workload", {}).get("name") == "steady" else ""
+    ax.set_title(f"{data['model']} model, {data['requests']} requests{workload}, {where}", fontsize=11)
     fig.legend(loc="outside lower center", ncol=2, fontsize=9.5, frameon=False)  # below: it covers no bar
     fig.savefig(path, dpi=200)
     plt.close(fig)
@@ -217,76 +330,87 @@ def headline(rows: list[dict]) -> str:
     return f"minipaged's throughput vs transformers {peers}: " + ", ".join(map(ratios, rows))
 
 
-def main() -> None:
-    parser = make_parser(__doc__, quick="fewer requests and one run (tiny: 64, not 128; the 0.5B model: 8, not 32)")
-    parser.add_argument("--model", default="tiny", choices=sorted(WORKLOADS))
+def parse_args():
+    parser = make_parser(__doc__, quick="fewer requests and one run (tiny: 64, not 128; the 0.5B model: 8, not 32; "
+                                        "steady: 8 requests of 16..64 tokens, not 256 of 100..1024)")
+    parser.add_argument("--workload", default="sharegpt", choices=("sharegpt", "steady"),
+                        help="sharegpt: log-normal lengths, a long tail (default); steady: nano-vllm's uniform "
+                             "100..1024, for a GPU")
+    parser.add_argument("--model", choices=sorted(WORKLOADS),
+                        help="sharegpt's model (default: tiny); steady runs on qwen2.5-0.5b-shaped")
     parser.add_argument("--engine", default="stage10", choices=sorted(ENGINES), help="minipaged's LLM (stage10)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="stage 10's async_scheduling=True (schedule a step while the one before runs)")
-    parser.add_argument("--batch", type=int, help="max_num_seqs and the peers' batch size (default: 16, 32, 64)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, help="max_num_seqs and the peers' batch size (default: 16, 32, 64; "
+                                                  "steady: every request at once)")
+    add_device_arguments(parser)
     parser.add_argument("--threads", type=int, help="CPU threads for every side (default: the free cores)")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the saved results (bench/results/throughput[_<model>].json), "
                              "measuring nothing")
     args = parser.parse_args()
+    if args.workload == "steady" and args.model not in (None, STEADY.model):
+        parser.error(f"--workload steady runs on {STEADY.model}")
+    args.model = args.model or (STEADY.model if args.workload == "steady" else "tiny")
+    if args.async_scheduling and (args.engine != "stage10" or not HAS_ASYNC_SCHEDULING):
+        parser.error("--async-scheduling needs stage 10's LLM with an async_scheduling option")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     results_dir = results_dir_for(args)
-    name = results_name(args.model)
+    name = results_name(args.model, args.workload)
     if args.plot_only:
         data = json.loads((results_dir / f"{name}.json").read_text())
         plot(data, results_dir / f"{name}.png")
         print(headline(data["rows"]))
         return
-    if args.async_scheduling and (args.engine != "stage10" or not HAS_ASYNC_SCHEDULING):
-        parser.error("--async-scheduling needs stage 10's LLM with an async_scheduling option")
     load_before = os.getloadavg()
     threads = apply_threads(args.threads)  # one count for every side: minipaged, transformers, CTranslate2
     repeats = 1 if args.quick else 3
+    dtype = dtype_for(args)
     torch.manual_seed(0)
     path = model_path(args.model)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
-    workload = WORKLOADS[args.model]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(args.device).eval()
+    if args.workload == "steady":
+        prompts, outputs, workload = steady_requests(args.quick)
+    else:
+        prompts, outputs, workload = sharegpt_requests(args.model, args.quick, hf.config.vocab_size)
     max_len = workload["max_len"]
-    trace = synthetic_requests(workload["requests"][1 if args.quick else 0], mean_prompt=workload["mean_prompt"],
-                               mean_output=workload["mean_output"], max_len=max_len, seed=0)
-    vocab = hf.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    # Two prompt tokens at least: CTranslate2's generate_batch (4.8) takes a batch whose shortest prompt has one
-    # token as if include_prompt_in_result were True, and returns the prompts' tokens as output.
-    prompts = [torch.randint(0, vocab, (max(2, r.prompt_len),), generator=gen).tolist() for r in trace]
-    outputs = [min(r.output_len, max_len - len(p)) for r, p in zip(trace, prompts, strict=True)]
     wanted = sum(outputs)
-    print(f"{args.model}: {len(trace)} requests, mean prompt {sum(map(len, prompts)) / len(prompts):.0f}, mean "
-          f"output {wanted / len(trace):.0f} tokens, max {max_len}; {args.device}, {threads} thread(s) for every "
-          f"side; minipaged {args.engine}{' with async scheduling' if args.async_scheduling else ''}")
+    print(f"{args.model}, {workload['name']} workload: {len(prompts)} requests, mean prompt "
+          f"{sum(map(len, prompts)) / len(prompts):.0f}, mean output {wanted / len(prompts):.0f} tokens, "
+          f"max {max_len}; "
+          f"{args.device} ({environment(args.device)['device_name']}), {dtype}, {threads} thread(s) for every side; "
+          f"minipaged {args.engine}{' with async scheduling' if args.async_scheduling else ''}")
 
     ct2 = load_ctranslate2(args.model, path, threads) if args.device == "cpu" else "runs here on the CPU only"
     ct2_error = ct2 if isinstance(ct2, str) else None
     if ct2_error:
         print(f"CTranslate2 will not run: {ct2_error}")
-    batches = [args.batch] if args.batch else ([32] if args.quick else [16, 32, 64])
-    cb_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+    if args.batch:
+        batches = [args.batch]
+    elif args.workload == "steady":
+        batches = [len(prompts)]  # every request at once, as nano-vllm serves them (its max_num_seqs is 512)
+    else:
+        batches = [32] if args.quick else [16, 32, 64]
+    cb_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype),
                                                                  attn_implementation="sdpa").to(args.device).eval()
-    options = {"async_scheduling": True} if args.async_scheduling else {}
+    hf_static_batches(hf, [[1, 2, 3]], [2], 1, pad_id=0)  # warm up, greedy, not timed
     rows = []
     for batch in batches:
         row_load_before = os.getloadavg()
-        llm = ENGINES[args.engine](str(path), max_num_seqs=batch, max_model_len=max_len, device=args.device,
-                                   attention_backend="triton" if args.device == "cuda" else "ref", **options)
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
-        timer = llm.engine.runner.model = ForwardTimer(llm.engine.runner.model)
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
         seconds: dict[str, list[float]] = {side: [] for side in SIDES}
         outside = []
         same_ct2 = None
         for _ in range(repeats):  # the sides in turn, so that a busy spell touches each alike
-            timer.seconds, steps_before = 0.0, llm.stats.steps
-            start = time.perf_counter()
-            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            seconds["minipaged"].append(time.perf_counter() - start)
-            outside.append(1 - timer.seconds / seconds["minipaged"][-1])
-            steps = llm.stats.steps - steps_before
-            tokens = [r.outputs[0].token_ids for r in results]
+            ours = run_minipaged(args, path, batch, max_len, prompts, outputs)
+            seconds["minipaged"].append(ours["seconds"])
+            outside.append(ours["outside"])
+            steps, tokens = ours["steps"], ours["tokens"]
             assert sum(map(len, tokens)) == wanted
             seconds["transformers"].append(hf_static_batches(hf, prompts, outputs, batch, pad_id=0))
             continuous, cb_tokens = hf_continuous_batching(cb_model, prompts, outputs, batch)
@@ -304,24 +428,24 @@ def main() -> None:
                     print(f"CTranslate2 failed, and runs no more: {ct2_error}")
                     seconds["ctranslate2"], same_ct2 = [], None
         median = {side: statistics.median(v) if v else None for side, v in seconds.items()}
-        ours, static, continuous, ct2_time = (median[side] for side in SIDES)
-        rows.append({"batch": batch, "minipaged_tps": wanted / ours, "transformers_tps": wanted / static,
+        ours_s, static, continuous, ct2_time = (median[side] for side in SIDES)
+        rows.append({"batch": batch, "minipaged_tps": wanted / ours_s, "transformers_tps": wanted / static,
                      "transformers_cb_tps": wanted / continuous,
                      "ctranslate2_tps": wanted / ct2_time if ct2_time else None,
-                     "ratio": static / ours, "ratio_cb": continuous / ours,
-                     "ratio_ct2": ct2_time / ours if ct2_time else None,
+                     "ratio": static / ours_s, "ratio_cb": continuous / ours_s,
+                     "ratio_ct2": ct2_time / ours_s if ct2_time else None,
                      "outside_forward": statistics.median(outside),
                      "identical_to_cb": same, "identical_to_ct2": same_ct2, "engine_steps": steps, "repeats": repeats,
                      "tps_each_run": {k: [round(wanted / t, 1) for t in v] for k, v in seconds.items()},
                      "threads": {side: threads for side in SIDES},
                      "loadavg_before": row_load_before, "loadavg_after": os.getloadavg()})
         spread = "; ".join(f"{k} {min(v):.0f}-{max(v):.0f}" for k, v in rows[-1]["tps_each_run"].items() if v)
-        ct2_text = (f", CTranslate2 {wanted / ct2_time:8.1f} ({ct2_time / ours:.1f}x; {same_ct2}/{len(tokens)} "
+        ct2_text = (f", CTranslate2 {wanted / ct2_time:8.1f} ({ct2_time / ours_s:.1f}x; {same_ct2}/{len(tokens)} "
                     "outputs identical to minipaged's)" if ct2_time else f", CTranslate2 not run ({ct2_error})")
-        print(f"batch {batch:>3}: minipaged {wanted / ours:8.1f} tokens/s ({steps} steps, "
+        print(f"batch {batch:>3}: minipaged {wanted / ours_s:8.1f} tokens/s ({steps} steps, "
               f"{100 * rows[-1]['outside_forward']:.0f}% outside the forward), generate {wanted / static:8.1f}, "
-              f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours:.1f}x and "
-              f"{continuous / ours:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching" + ct2_text
+              f"transformers continuous batching {wanted / continuous:8.1f}; ratios {static / ours_s:.1f}x and "
+              f"{continuous / ours_s:.1f}x; {same}/{len(tokens)} outputs identical to continuous batching" + ct2_text
               + (f" (medians of {repeats}; tokens/s ranged {spread})" if repeats > 1 else ""))
     ct2_version = None
     try:
@@ -330,11 +454,10 @@ def main() -> None:
         ct2_version = ctranslate2.__version__
     except ImportError:
         pass
-    data = {"model": args.model, "requests": len(trace), "generated_tokens": wanted, "device": args.device,
-            "workload": {"mean_prompt": workload["mean_prompt"], "mean_output": workload["mean_output"],
-                         "max_len": max_len, "min_prompt": 2,
-                         "mean_prompt_drawn": sum(map(len, prompts)) / len(prompts),
-                         "mean_output_drawn": wanted / len(trace)},
+    data = {"model": args.model, "requests": len(prompts), "generated_tokens": wanted, "device": args.device,
+            "dtype": dtype, "environment": environment(args.device),
+            "workload": {**workload, "mean_prompt_drawn": sum(map(len, prompts)) / len(prompts),
+                         "mean_output_drawn": wanted / len(prompts)},
             "minipaged_engine": args.engine, "async_scheduling": args.async_scheduling,
             "ctranslate2": {"version": ct2_version, "error": ct2_error,
                             "batching": "static: sorted by prompt length, batches of max_batch_size, a finished "

@@ -11,9 +11,18 @@ second, is the unit of time.
 
 The drawing itself is ``minipaged.perf.simulate.synthetic_requests``; this module only names
 the two traces.
+
+Beside those tail-heavy traces, ``steady`` is nano-vllm's throughput workload (its ``bench.py``),
+meant for a GPU: 256 requests whose prompt and output lengths are each uniform in 100..1024
+tokens, of random token ids, all submitted at once. Uniform lengths keep a large batch decoding
+for most of the run: a steady state, where the forward of a full batch, not the tail of the
+longest requests, sets the throughput. ``STEADY_QUICK`` is the same shape small enough for a CPU.
 """
 
 from __future__ import annotations
+
+import random
+from dataclasses import dataclass
 
 from minipaged.perf.simulate import OPT_13B_SLOTS as OPT_13B_SLOTS  # the paper's budget, for the benchmarks
 from minipaged.perf.simulate import Request, synthetic_requests
@@ -28,3 +37,37 @@ MAX_LEN = 2048
 def trace(name: str, num_requests: int, rate: float, seed: int = 0, max_len: int = MAX_LEN) -> list[Request]:
     """A seeded trace of ``num_requests`` with the named dataset's mean lengths."""
     return synthetic_requests(num_requests, **TRACES[name], max_len=max_len, rate=rate, seed=seed)
+
+
+@dataclass(frozen=True)
+class SteadyWorkload:
+    """How many requests, the range of their prompt and of their output lengths (each uniform, ends
+    included), and the model that serves them (bench/peer_models.py)."""
+
+    requests: int
+    lengths: tuple[int, int]
+    model: str = "qwen2.5-0.5b-shaped"  # in place of nano-vllm's Qwen3-0.6B
+
+    @property
+    def max_len(self) -> int:
+        """The longest request, prompt and output together."""
+        return 2 * self.lengths[1]
+
+
+# nano-vllm's bench.py: 256 requests, prompt and output lengths each uniform in 100..1024, token ids in 0..10000.
+STEADY = SteadyWorkload(requests=256, lengths=(100, 1024))
+STEADY_QUICK = SteadyWorkload(requests=8, lengths=(16, 64))  # --quick, and a CPU
+STEADY_MAX_TOKEN_ID = 10000
+
+
+def steady(num_requests: int, lengths: tuple[int, int], seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The prompts (token ids) and output lengths of ``num_requests`` requests, drawn as nano-vllm's
+    bench.py draws them: every prompt (its length, then its ids), then every output length, from
+    Python's ``random`` seeded with ``seed``. Its full size draws the very requests of nano-vllm's
+    README: 142,827 prompt tokens and 133,966 output tokens."""
+    rng = random.Random(seed)
+    low, high = lengths
+    prompts = [[rng.randint(0, STEADY_MAX_TOKEN_ID) for _ in range(rng.randint(low, high))]
+               for _ in range(num_requests)]
+    outputs = [rng.randint(low, high) for _ in range(num_requests)]
+    return prompts, outputs
