@@ -91,12 +91,22 @@ class Worker:
 
     def __init__(self, config: WorkerConfig, rank: int) -> None:
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
-        self.device = torch.device(config.device)
+        self.device = self.rank_device(torch.device(config.device), rank)
         self.all_reduce_bytes = 0  # counted once asked for (count_all_reduce_bytes)
         self.counting = False
 
+    @staticmethod
+    def rank_device(device: torch.device, rank: int) -> torch.device:
+        """One GPU per rank: ``cuda`` means this machine's GPU ``LOCAL_RANK`` (torchrun's) or ``rank``; a
+        CPU, or a GPU named with its index, stays as it is."""
+        if device.type != "cuda" or device.index is not None:
+            return device
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+
     def init_device(self) -> None:
         """Join the other ranks: gloo on CPUs, NCCL on CUDA devices; every collective times out."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL's collectives run on the current device
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     init_method=self.config.init_method, rank=self.rank, world_size=self.world_size,

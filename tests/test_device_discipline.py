@@ -263,3 +263,15 @@ def test_speculative_decoding_steps_are_counted_too():
     with count_host_syncs(llm.model) as count:
         llm.engine.step()
     assert count.forward == 0, dict(count.in_forward)
+
+
+def test_each_tensor_parallel_rank_takes_its_own_gpu(monkeypatch):
+    """NCCL wants one GPU per rank: "cuda" means GPU ``LOCAL_RANK`` (torchrun's) or the rank."""
+    from minipaged.stage11_worker import Worker
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert Worker.rank_device(torch.device("cuda"), 3) == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert Worker.rank_device(torch.device("cuda"), 5) == torch.device("cuda", 1)
+    assert Worker.rank_device(torch.device("cuda", 2), 0) == torch.device("cuda", 2)  # named: kept
+    assert Worker.rank_device(torch.device("cpu"), 3) == torch.device("cpu")
