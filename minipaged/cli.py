@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-          enable_prefix_caching=args.prefix_caching,
+          enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
           logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
@@ -162,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              enable_prefix_caching=args.prefix_caching)
+              enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     for out in llm.generate(args.prompt, [params] * len(args.prompt), use_tqdm=False):
@@ -175,13 +175,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int)
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--backend", default="ref", choices=["ref", "triton"])
+    p.add_argument("--attention-backend", "--backend", dest="backend", default="ref", choices=["ref", "triton"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: the share of the device's memory the engine may take (the K/V take what is left)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix-caching", action="store_true", help="reuse the K/V of shared prefixes")
+    p.add_argument("--enable-prefix-caching", "--prefix-caching", dest="prefix_caching", action="store_true",
+                   help="reuse the K/V of shared prefixes")
+    p.add_argument("--max-num-batched-tokens", type=int, help="the tokens one step may compute (the token budget)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
 
 

@@ -83,6 +83,22 @@ def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
     assert isinstance(llm.engine, AsyncV1Engine) == ("--async-scheduling" in argv)
 
 
+@pytest.mark.parametrize("spelling", ["vllm", "short"])
+def test_serve_flags_are_vllms_and_reach_the_engine_config(monkeypatch, spelling):
+    def build_app(llm, *args, **kwargs):
+        raise Built(llm)
+
+    monkeypatch.setattr(minipaged.serving.server, "build_app", build_app)
+    names = {"vllm": ["--attention-backend", "--enable-prefix-caching"], "short": ["--backend", "--prefix-caching"]}
+    backend, caching = names[spelling]
+    with pytest.raises(Built) as built:
+        main(["serve", "--port", str(free_port()), "--threads", "1", "--scheduler", "v1", backend, "triton", caching,
+              "--max-num-batched-tokens", "96", "--gpu-memory-utilization", "0.5"])
+    config = built.value.args[0].config
+    assert (config.attention_backend, config.enable_prefix_caching) == ("triton", True)
+    assert (config.max_num_batched_tokens, config.gpu_memory_utilization) == (96, 0.5)
+
+
 def test_an_async_scheduling_server_streams_what_generate_gives():
     server = ThreadServer(LLM("tiny", async_scheduling=True, **ENGINE_ARGS))
     try:
