@@ -30,9 +30,12 @@ step is sent to all of them or to none; they never outlive their ``LLM`` (``clos
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
+import json
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import tempfile
@@ -51,6 +54,7 @@ import torch.distributed as dist
 
 from minipaged import stage9_prefix_caching, stage10_v1_scheduler
 from minipaged.common.config import ResolvedEngineConfig
+from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, CausalLM, ModelConfig
 from minipaged.models.parallel import check_tensor_parallel
 from minipaged.stage2_block_table import PagedKVCache
@@ -379,3 +383,32 @@ class LLM(TensorParallelLLM, stage10_v1_scheduler.LLM):
 
 class V0LLM(TensorParallelLLM, stage9_prefix_caching.LLM):
     """Stage 9's engine (V0's scheduler: swap or recompute, forks and beams, prefix caching), tensor parallel."""
+
+
+def torchrun_main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m minipaged.stage11_tensor_parallel --model M --prompt-token-ids '[[...]]'``:
+    every process a worker, its rank and the rendezvous from torchrun's environment; rank 0 also
+    runs the engine (``distributed_executor_backend="external_launcher"``, vLLM's name) and prints
+    the greedy outputs as JSON, one line per prompt."""
+    parser = argparse.ArgumentParser(prog="python -m minipaged.stage11_tensor_parallel")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--prompt-token-ids", required=True, help="a JSON list of lists of token ids")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        follow_rank_0(WorkerConfig(args.model, "float32", "cpu", args.block_size, args.num_gpu_blocks, 0,
+                                   world_size), rank)
+        return
+    with LLM(args.model, tensor_parallel_size=world_size, distributed_executor_backend="external_launcher",
+             num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size) as llm:
+        prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            print(json.dumps(out.outputs[0].token_ids), flush=True)
+
+
+if __name__ == "__main__":
+    torchrun_main()

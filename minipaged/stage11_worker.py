@@ -12,16 +12,14 @@ sends back the logits.
 
 A worker is started by the driver (``stage11_tensor_parallel``, the spawn start method; inputs
 and replies over a pipe), or by ``torchrun``, which sets its rank, the world size and the
-rendezvous in its environment (``python -m minipaged.stage11_worker``: rank 0 runs the
+rendezvous in its environment (``python -m minipaged.stage11_tensor_parallel``: rank 0 runs the
 engine, the others follow it). Every collective has the process group's timeout; a worker
 exits when the driver goes away.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import signal
 import traceback
@@ -200,37 +198,3 @@ def run_worker(conn: Connection, config: WorkerConfig, rank: int) -> None:
         return
     finally:
         worker.close()
-
-
-def torchrun_main(argv: list[str] | None = None) -> None:
-    """``torchrun --nproc-per-node N -m minipaged.stage11_worker --model M --prompt-token-ids '[[...]]'``:
-    every process a worker, its rank and the rendezvous from torchrun's environment; rank 0 also
-    runs the engine (``distributed_executor_backend="external_launcher"``, vLLM's name) and prints
-    the greedy outputs as JSON, one line per prompt."""
-    parser = argparse.ArgumentParser(prog="python -m minipaged.stage11_worker")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--prompt-token-ids", required=True, help="a JSON list of lists of token ids")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args(argv)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if rank != 0:
-        from minipaged.stage11_tensor_parallel import follow_rank_0
-
-        follow_rank_0(WorkerConfig(args.model, "float32", "cpu", args.block_size, args.num_gpu_blocks, 0,
-                                   world_size), rank)
-        return
-    from minipaged.common.sampling_params import SamplingParams
-    from minipaged.stage11_tensor_parallel import LLM
-
-    with LLM(args.model, tensor_parallel_size=world_size, distributed_executor_backend="external_launcher",
-             num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size) as llm:
-        prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        for out in llm.generate(prompts, params, use_tqdm=False):
-            print(json.dumps(out.outputs[0].token_ids), flush=True)
-
-
-if __name__ == "__main__":
-    torchrun_main()

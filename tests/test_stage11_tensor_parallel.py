@@ -261,7 +261,7 @@ def test_the_same_worker_code_runs_under_torchrun():
     environment, on loopback; rank 0 runs the engine and prints the tokens."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun is not None
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipaged.stage11_worker",
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipaged.stage11_tensor_parallel",
            "--prompt-token-ids", json.dumps(PROMPTS), "--max-tokens", "8", "--num-gpu-blocks", "64"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
