@@ -175,7 +175,8 @@ class LLMEngine:
         sizes = [len(g.seqs_with(SequenceStatus.RUNNING)) for g in groups]
         params = [g.params for g, k in zip(groups, sizes, strict=True) for _ in range(k)]
         logits = self.runner.execute(out)  # (len(seqs) + prompt positions asked for, vocab)
-        self.record_prompt_logprobs([(r, p) for r, p, _ in prompt_logprob_rows(out)], logits[len(seqs):])
+        prompt_rows = cast("list[tuple[Request, range, int]]", prompt_logprob_rows(out))  # this engine's requests
+        self.record_prompt_logprobs([(r, p) for r, p, _ in prompt_rows], logits[len(seqs):])
         logits = logits[:len(seqs)]
         sampled = self.sampler(logits, seqs, params)
         start = 0

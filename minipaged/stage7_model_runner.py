@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -36,8 +36,13 @@ from minipaged.stage4_reference_attention import check_attention_metadata
 from minipaged.stage6_scheduler import SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
-if TYPE_CHECKING:  # the engine's requests, named in annotations only
-    from minipaged.stage7_engine import Request
+
+class PromptLogprobsRequest(Protocol):
+    """What the runner reads of a request (the engine's ``Request``): its parameters and sequences."""
+
+    params: SamplingParams
+    seqs: list
+
 
 __all__ = ["ModelRunner", "Runner", "Sampler", "build_attention_metadata", "determine_available_kv_memory",
            "process_logits", "prompt_logprob_rows", "sample"]
@@ -80,15 +85,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # END SOLUTION
 
 
-def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[Request, range, int]]:
+def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[PromptLogprobsRequest, range, int]]:
     """The requests of a step that asked for ``prompt_logprobs`` and compute prompt positions in
     it: ``(request, positions, index of the first position's token in the flat batch)``, in order.
 
     A request's first sequence computes its prompt (the others of a group share or repeat it)."""
-    rows: list[tuple[Request, range, int]] = []
+    rows: list[tuple[PromptLogprobsRequest, range, int]] = []
     offset = 0
-    firsts = {id(g.seqs[0]): cast("Request", g) for g in out.scheduled_groups
-              if cast("Request", g).params.prompt_logprobs is not None}
+    requests = cast("list[PromptLogprobsRequest]", out.scheduled_groups)  # the engine's requests
+    firsts = {id(r.seqs[0]): r for r in requests if r.params.prompt_logprobs is not None}
     if not firsts:  # the usual step: no walk over the batch
         return rows
     for seq, n in out.scheduled:
