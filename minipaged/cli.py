@@ -52,6 +52,11 @@ def _set_threads(args: argparse.Namespace, quiet: bool = False) -> None:
         print(f"torch threads: {n} ({'--threads' if args.threads else 'free cores'})", file=sys.stderr)
 
 
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The options among ``names`` given on the command line: the others keep the engine's defaults."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from minipaged.serving import serve
 
@@ -64,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-          enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+          enable_prefix_caching=args.prefix_caching, **_given(args, "max_num_batched_tokens"),
           logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
@@ -162,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens)
+              enable_prefix_caching=args.prefix_caching, **_given(args, "max_num_batched_tokens"))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     for out in llm.generate(args.prompt, [params] * len(args.prompt), use_tqdm=False):

@@ -365,6 +365,7 @@ class LLM(stage9_prefix_caching.LLM):
     ``async_scheduling=True`` schedules each step while the one before runs."""
 
     engine_class = V1Engine
+    supported_features = frozenset({"async_scheduling"})  # each step scheduled while the one before runs
 
     def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, async_scheduling: bool = False, **kwargs: Any) -> None:
@@ -379,11 +380,7 @@ class LLM(stage9_prefix_caching.LLM):
         if config.preemption_mode != "recompute" or not config.enable_prefix_caching:
             raise ValueError("V1 preempts by recompute only, and prefix caching is always on")
         check_int("max_num_batched_tokens", config.max_num_batched_tokens, 1)  # V1 has no default budget: not None
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size is stage 11's: this engine runs the model in one process")
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config is stage 12's: this engine decodes one token per step")
-        return config
+        return super().check_config(config)
 
     def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:  # type: ignore[override]
         c = self.config

@@ -341,8 +341,7 @@ class TensorParallelLLM:
     def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)  # a ValueError before any worker starts
-        super().check_config(dataclasses.replace(config, tensor_parallel_size=1))  # type: ignore[misc]
-        return config
+        return super().check_config(config)  # type: ignore[misc]
 
     def build_model(self, path: Path) -> CausalLM:
         c = self.config
@@ -380,9 +379,13 @@ class TensorParallelLLM:
 class LLM(TensorParallelLLM, stage10_v1_scheduler.LLM):
     """Stage 10's engine (V1's scheduler, chunked prefill, prefix caching), tensor parallel."""
 
+    supported_features = stage10_v1_scheduler.LLM.supported_features | {"tensor_parallel_size"}
+
 
 class V0LLM(TensorParallelLLM, stage9_prefix_caching.LLM):
     """Stage 9's engine (V0's scheduler: swap or recompute, forks and beams, prefix caching), tensor parallel."""
+
+    supported_features = stage9_prefix_caching.LLM.supported_features | {"tensor_parallel_size"}
 
 
 def torchrun_main(argv: list[str] | None = None) -> None:

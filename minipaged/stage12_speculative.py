@@ -251,6 +251,7 @@ class LLM(stage10_v1_scheduler.LLM):
 
     engine_class = SpecDecodeEngine
     engine: SpecDecodeEngine  # type: ignore[assignment]
+    supported_features = stage10_v1_scheduler.LLM.supported_features | {"speculative_config"}
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -263,8 +264,7 @@ class LLM(stage10_v1_scheduler.LLM):
         if config.async_scheduling:
             raise ValueError("speculative decoding here schedules a step after the last one is verified: "
                              "async_scheduling is refused with it")
-        super().check_config(dataclasses.replace(config, speculative_config=None))
-        return config
+        return super().check_config(config)
 
     def build_scheduler(self, block_manager: Any) -> SpecDecodeScheduler:  # type: ignore[override]
         c = self.config

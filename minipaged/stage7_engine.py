@@ -277,6 +277,7 @@ class LLM:
     """
 
     engine_class: type[LLMEngine] = LLMEngine
+    supported_features: frozenset[str] = frozenset()  # of EngineConfig.optional_features: none here
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
         config = EngineConfig(model=model, **kwargs)
@@ -301,13 +302,12 @@ class LLM:
         self._request_ids = itertools.count()
 
     def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
-        """What this stage's engine cannot serve, refused before anything is built."""
-        if config.async_scheduling:
-            raise ValueError("async_scheduling is stage 10's: this engine schedules a step after the last one ends")
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size is stage 11's: this engine runs the model in one process")
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config is stage 12's: this engine decodes one token per step")
+        """What this engine cannot serve, refused before anything is built: an option the configuration
+        turns on (``optional_features``) that this class does not list in ``supported_features``."""
+        missing = config.optional_features() - self.supported_features
+        if missing:
+            raise ValueError(f"{type(self).__module__}.{type(self).__name__} does not implement "
+                             f"{', '.join(sorted(missing))}")
         return config
 
     def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
@@ -364,10 +364,6 @@ class LLM:
 
             return paged_attention_triton
         return paged_attention_ref
-
-    def check_health(self) -> None:
-        """Raise if this ``LLM`` can no longer serve (vLLM's ``check_health``): here it always can; an
-        engine whose model runs in other processes cannot once one of them is gone (stage 11)."""
 
     def next_request_id(self) -> int:
         return next(self._request_ids)

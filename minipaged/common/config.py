@@ -136,6 +136,13 @@ class EngineConfig:
         return ResolvedEngineConfig(**{**vars(self), "num_gpu_blocks": num_gpu_blocks, "max_model_len": max_model_len,
                                        "num_cpu_blocks": num_cpu_blocks})
 
+    def optional_features(self) -> frozenset[str]:
+        """The options this configuration turns on that not every engine implements, by field name: an
+        ``LLM`` lists those it implements (``supported_features``) and refuses the others."""
+        enabled = {"async_scheduling": self.async_scheduling, "tensor_parallel_size": self.tensor_parallel_size != 1,
+                   "speculative_config": self.speculative_config is not None}
+        return frozenset(name for name, on in enabled.items() if on)
+
     @property
     def profiles_kv_cache(self) -> bool:
         """Whether the cache is sized by what ``gpu_memory_utilization`` leaves: on CUDA, in one process,

@@ -426,8 +426,10 @@ class EngineClient:
 
     def engine_broken(self) -> str | None:
         """Why the engine can serve no more (``LLM.check_health``: a tensor-parallel worker died), or None."""
+        check = getattr(self._llm, "check_health", None)  # an engine whose model runs in other processes
         try:
-            self._llm.check_health()
+            if check is not None:
+                check()
         except Exception as err:
             return f"the engine cannot serve: {err}"
         return None
