@@ -13,7 +13,8 @@
   reads a value (a host sync). A CPU build of torch cannot index such a tensor from Python
   (its device guard has no CUDA), so indexing and ``.to(device)`` are passed to the same ATen
   ops directly; ``torch.Generator(device="cuda")`` cannot be made either, so ``fake_cuda_generator``
-  stands in for one, and a draw checks that its generator is on the tensor's device.
+  stands in for one, and a draw checks that its generator is on the tensor's device. The host's
+  work on host tensors (no fake tensor among its arguments, no device asked for) runs for real.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 import minipaged
 
@@ -175,6 +177,14 @@ def _index_list(advanced: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
     return [advanced.get(d) for d in range(max(advanced) + 1)]
 
 
+def _on_the_host(args, kwargs) -> bool:
+    """No fake tensor among the arguments and no device asked for: host tensors, host work."""
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    device = kwargs.get("device")
+    return (not any(isinstance(t, FakeTensor) for t in tensors)
+            and (device is None or torch.device(device).type == "cpu"))
+
+
 _SCALAR_READS = (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
                  torch.Tensor.__index__)
 
@@ -184,6 +194,11 @@ class _AtenIndexing(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:  # page-locked host memory, which a CPU build cannot give
+            return args[0]
+        if func is not torch.Tensor.to and _on_the_host(args, kwargs):  # the host's work on host tensors: real
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         if func is torch.Tensor.__getitem__:
             t, advanced = _split_index(*args)
             return torch.ops.aten.index.Tensor(t, _index_list(advanced)) if advanced else t
@@ -210,8 +225,6 @@ class _AtenIndexing(TorchFunctionMode):
                 return t
             return torch.ops.aten._to_copy(t, dtype=dtype, device=device, non_blocking=kwargs.get("non_blocking",
                                                                                                     False))
-        if func is torch.Tensor.pin_memory:  # page-locked host memory, which a CPU build cannot give
-            return args[0]
         if func in _SCALAR_READS and args[0].device.type == "cuda":  # a host sync: raises, as .tolist() does
             return torch.ops.aten._local_scalar_dense.default(args[0])
         if func is torch.tensor and torch.device(kwargs.get("device") or "cpu").type == "cuda":
@@ -234,8 +247,18 @@ class _AtenIndexing(TorchFunctionMode):
 def fake_cuda() -> Iterator[FakeTensorMode]:
     """``device="cuda"`` tensors on a CPU build, raising on a host/device mix and on a host sync."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, _AtenIndexing():
-        yield mode
+    from_numpy = torch.from_numpy
+
+    def host_from_numpy(array):  # a numpy array is host memory: its tensor stays real
+        with unset_fake_temporarily():
+            return from_numpy(array)
+
+    torch.from_numpy = host_from_numpy
+    try:
+        with mode, _AtenIndexing():
+            yield mode
+    finally:
+        torch.from_numpy = from_numpy
 
 
 def fake_cuda_module(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

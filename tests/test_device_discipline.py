@@ -275,3 +275,49 @@ def test_each_tensor_parallel_rank_takes_its_own_gpu(monkeypatch):
     assert Worker.rank_device(torch.device("cuda"), 5) == torch.device("cuda", 1)
     assert Worker.rank_device(torch.device("cuda", 2), 0) == torch.device("cuda", 2)  # named: kept
     assert Worker.rank_device(torch.device("cpu"), 3) == torch.device("cpu")
+
+
+class FakeCudaModel:
+    """A model's forward and ``compute_logits`` over fake CUDA stand-ins for its weights (a runner
+    calls nothing else of it)."""
+
+    def __init__(self, model):
+        self.model, self.params = model, fake_cuda_module(model)
+
+    def __call__(self, *inputs):
+        return torch.func.functional_call(self.model, self.params, inputs, tie_weights=False)
+
+    def compute_logits(self, hidden):
+        return torch.nn.functional.linear(hidden, self.params["lm_head.weight"])
+
+
+@pytest.mark.parametrize("front", ["stage7", "stage10"])
+def test_a_whole_step_runs_on_cuda_from_the_schedulers_output_to_the_samplers_one_copy(front, monkeypatch):
+    """The runner's input preparation (flat inputs, slot mapping, tables, lengths: built on the host,
+    checked, copied once), the forward, the logits and the sampler, every tensor on the device."""
+    from minipaged import stage5_triton_attention as s5
+    from minipaged.stage6_swapping import SwapPagedKVCache
+    from minipaged.stage7_model_runner import ModelRunner
+    from minipaged.stage10_model_runner import V1ModelRunner
+
+    llm = (LLM if front == "stage7" else stage10_v1_scheduler.LLM)("tiny", num_gpu_blocks=32, block_size=4)
+    engine, mc = llm.engine, llm.model_config
+    for i, params in enumerate(EVERY_RULE[:3]):
+        engine.add_request(i, {"prompt_token_ids": [5 + i, 6, 7, 8, 9, 10][: 3 + i]}, params)
+    out = llm.scheduler.schedule()  # the prompts: the prefill kernel's launch, stood in for
+    launches = Launches()
+    monkeypatch.setattr(s5, "_prefill_kernel", launches.kernel("_prefill_kernel"))
+    with fake_cuda():
+        cache = SwapPagedKVCache(mc.num_layers, 32, 4, mc.num_kv_heads, mc.head_dim, device="cuda")
+        model = FakeCudaModel(llm.model)
+        if front == "stage7":
+            logits = ModelRunner(model, cache, llm.scheduler.block_manager, s5.paged_attention_triton).execute(out)
+        else:
+            runner = V1ModelRunner(model, cache, 4, 8, llm.max_model_len, s5.paged_attention_triton)
+            _, logits = runner.execute_model(out)
+        assert logits.device.type == "cuda" and logits.shape == (3, mc.vocab_size)
+        assert launches.launched == ["_prefill_kernel"] * mc.num_layers
+        rows = [Row(fake_cuda_generator(i)) for i in range(3)]
+        with pytest.raises(DataDependentOutputException) as error:
+            Sampler()(logits, rows, EVERY_RULE[:3])
+    assert raised_at(error.value).startswith("compute_logprobs")
