@@ -19,7 +19,6 @@ once, each row with its own parameters and generator, and is tested equal to it 
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -135,8 +134,7 @@ def determine_available_kv_memory(model: CausalLM, num_layers: int, num_kv_heads
     table = np.arange(cache.num_blocks, dtype=np.int32)[None, :]  # (1, num_blocks): the prompt's blocks in order
     meta = build_attention_metadata(cache, positions, table, np.array([num_tokens], np.int32),
                                     np.array([0, num_tokens], np.int32), backend)
-    gc.collect()  # an engine dropped before this one gives its memory back first
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # what engines dropped before this one left cached goes back to the device
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
         hidden = model(to_device(np.zeros(num_tokens, np.int64), device), to_device(positions, device), cache, meta)
