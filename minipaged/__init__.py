@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from minipaged import stage10_async_scheduling, stage10_v1_scheduler
 from minipaged.common.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.stage0_contiguous import (
@@ -43,6 +44,10 @@ from minipaged.stage9_prefix_caching import (  # the top of the ladder: every fe
     PrefixCachingAllocator,
     PrefixCachingBlockSpaceManager,
 )
+
+# Stage 10's async engine builds on its synchronous one, so the synchronous module cannot import it:
+# the package, above both, registers it where LLM(async_scheduling=True) finds it.
+stage10_v1_scheduler.LLM.async_engine_class = stage10_async_scheduling.AsyncV1Engine
 
 paged_attention_triton: Callable[..., torch.Tensor] | None
 try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4 serves

@@ -366,13 +366,14 @@ class LLM(stage9_prefix_caching.LLM):
 
     engine_class = V1Engine
     supported_features = frozenset({"async_scheduling"})  # each step scheduled while the one before runs
+    async_engine_class: type[V1Engine] | None = None  # stage10_async_scheduling's, registered by the package
 
     def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, async_scheduling: bool = False, **kwargs: Any) -> None:
         if async_scheduling is True:  # step N + 1 scheduled while step N runs (stage10_async_scheduling)
-            from minipaged.stage10_async_scheduling import AsyncV1Engine
-
-            self.engine_class = AsyncV1Engine
+            if self.async_engine_class is None:
+                raise ValueError("async_scheduling: no engine is registered for it")
+            self.engine_class = self.async_engine_class
         super().__init__(model, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling, **kwargs)
 
