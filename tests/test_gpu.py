@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from helpers_checkpoints import save_random_checkpoints
 
 from minipaged import stage10_v1_scheduler
 from minipaged.common.sampler import Sampler
@@ -20,10 +21,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.rounding_free,
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-ARCHITECTURES = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+ARCHITECTURES = {  # (transformers config class, its arguments)
+    "llama": ("LlamaConfig", {**COMMON, "tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", {**COMMON, "tie_word_embeddings": True}),
+    "gpt2": ("GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256)),
 }
 PROMPTS = [[5, 17, 3], [9] * 17, list(range(40, 80)), [200]]
 STEPS = 12
@@ -32,14 +33,7 @@ BF16_UNIT_ROUNDOFF = 2.0**-8  # bfloat16 keeps 8 bits of significand
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-    for i, (name, config) in enumerate(ARCHITECTURES.items()):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(config()).eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        made[name] = path
-    return made
+    return save_random_checkpoints(tmp_path_factory, ARCHITECTURES)
 
 
 def hf_model(path, dtype):
