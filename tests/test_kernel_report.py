@@ -171,3 +171,18 @@ def test_the_stubs_of_an_exercise_workspace_compile_for_a_gpu_and_print_their_hi
     hints = [hint for begin, _, hint in solution_regions(source)
              if any(k.lineno <= begin <= k.end_lineno for k in kernels)]
     assert len(hints) == 4 and [h for h in hints if h not in done.stdout] == []  # printed while compiling
+
+
+@pytest.mark.parametrize("language", ["", ".zh"])
+def test_the_stage_5_pages_kernel_choice_table_is_use_v1s(language):
+    """Every cell of the table 'Which decode kernel runs' (32 query heads) is what use_v1 chooses."""
+    import re
+    from pathlib import Path
+
+    from minipaged.stage5_triton_attention import use_v1
+
+    page = (Path(__file__).parent.parent / "docs" / "stages" / f"5_triton_attention{language}.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(v[12])` \| `(v[12])` \| `(v[12])` \| `(v[12])` \|$", page, re.M)
+    assert [int(r[0]) for r in rows] == [1, 8, 64, 256]
+    for batch, *chosen in rows:
+        assert chosen == ["v1" if use_v1(int(batch), 32, ctx) else "v2" for ctx in (1024, 4096, 16384, 32768)]
