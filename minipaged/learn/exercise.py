@@ -59,9 +59,10 @@ def _runtime_imports(path: Path) -> set[str]:
 def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, list[Path]]:
     """The modules of every stage of the package, by stage number, the stage's main file first.
 
-    The main file is the one that imports the stage's other files (the scheduler imports its
-    swapping; V1's scheduler its runner and, when asked for, its async engine): the stage's
-    entry, whose topic names the stage's tutorial and docs page. The others follow by name.
+    The main file is the one that imports the most of the stage's other files (the scheduler imports
+    its swapping; V1's scheduler its runner), and of two that import as many, the one the other
+    builds on (V1's async engine imports V1's scheduler): the stage's entry, whose topic names the
+    stage's tutorial and docs page. The others follow by name.
     """
     found: dict[int, list[Path]] = {}
     for path in sorted(package_dir.glob("stage*_*.py")):
@@ -70,7 +71,10 @@ def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, list[Path]]:
             found.setdefault(int(match.group(1)), []).append(path)
     for stage, paths in found.items():
         imports = {path: {name.rsplit(".", 1)[-1] for name in _runtime_imports(path)} for path in paths}
-        main = max(paths, key=lambda p: sum(other.stem in imports[p] for other in paths if other != p))
+        rank = {p: (sum(o.stem in imports[p] for o in paths if o != p),  # stage files it imports,
+                    sum(p.stem in imports[o] for o in paths if o != p))  # then stage files that import it
+                for p in paths}
+        main = max(paths, key=rank.__getitem__)
         found[stage] = [main, *(p for p in paths if p != main)]
     return dict(sorted(found.items()))
 
