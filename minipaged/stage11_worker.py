@@ -40,8 +40,8 @@ from minipaged.models.parallel import (
     load_model_shard,
     num_kv_heads_per_rank,
 )
-from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_swapping import SwapPagedKVCache
+from minipaged.stage7_model_runner import backend_named
 
 
 @dataclasses.dataclass
@@ -74,14 +74,6 @@ class StepInputs:
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
     attention_backend: str = "ref"
-
-
-def backend_named(name: str):
-    if name == "triton":
-        from minipaged.stage5_triton_attention import paged_attention_triton
-
-        return paged_attention_triton
-    return paged_attention_ref
 
 
 class Worker:

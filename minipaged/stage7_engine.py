@@ -55,10 +55,15 @@ from minipaged.models import (
     resolve_model_path,
 )
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
-from minipaged.stage7_model_runner import ModelRunner, Runner, determine_available_kv_memory, prompt_logprob_rows
+from minipaged.stage7_model_runner import (
+    ModelRunner,
+    Runner,
+    backend_named,
+    determine_available_kv_memory,
+    prompt_logprob_rows,
+)
 
 CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
@@ -318,8 +323,8 @@ class LLM:
         num_tokens = config.max_num_batched_tokens or min(8192, mc.max_position_embeddings)
         available = determine_available_kv_memory(model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                                   config.block_size, num_tokens, min(config.max_num_seqs, num_tokens),
-                                                  config.gpu_memory_utilization, self.attention_backend_named(
-                                                      config.attention_backend))
+                                                  config.gpu_memory_utilization,
+                                                  backend_named(config.attention_backend))
         if available < config.block_size * mc.kv_bytes_per_token(self.dtype):
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the "
                              f"KV cache after the weights and a step of {num_tokens} tokens")
@@ -354,16 +359,8 @@ class LLM:
         return ModelRunner(self.model, self.cache, self.scheduler.block_manager, self.attention_backend())
 
     def attention_backend(self) -> Callable[..., torch.Tensor]:
-        """Stage 4's reference, or stage 5's Triton kernels (imported only when asked for)."""
-        return self.attention_backend_named(self.config.attention_backend)
-
-    @staticmethod
-    def attention_backend_named(name: str) -> Callable[..., torch.Tensor]:
-        if name == "triton":
-            from minipaged.stage5_triton_attention import paged_attention_triton
-
-            return paged_attention_triton
-        return paged_attention_ref
+        """Stage 4's reference, or stage 5's Triton kernels, as the configuration names it."""
+        return backend_named(self.config.attention_backend)
 
     def next_request_id(self) -> int:
         return next(self._request_ids)

@@ -31,7 +31,7 @@ from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, CausalLM
 from minipaged.stage2_block_table import PagedKVCache
-from minipaged.stage4_reference_attention import check_attention_metadata
+from minipaged.stage4_reference_attention import check_attention_metadata, paged_attention_ref
 from minipaged.stage6_scheduler import SchedulerOutput
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
@@ -43,8 +43,8 @@ class PromptLogprobsRequest(Protocol):
     seqs: list
 
 
-__all__ = ["ModelRunner", "Runner", "Sampler", "build_attention_metadata", "determine_available_kv_memory",
-           "process_logits", "prompt_logprob_rows", "sample"]
+__all__ = ["ModelRunner", "Runner", "Sampler", "backend_named", "build_attention_metadata",
+           "determine_available_kv_memory", "process_logits", "prompt_logprob_rows", "sample"]
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -103,6 +103,15 @@ def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[PromptLogprobsReques
                 rows.append((firsts[id(seq)], positions, offset))
         offset += n
     return rows
+
+
+def backend_named(name: str) -> Callable[..., torch.Tensor]:
+    """Stage 4's reference (``"ref"``), or stage 5's Triton kernels (``"triton"``, imported only when asked for)."""
+    if name == "triton":
+        from minipaged.stage5_triton_attention import paged_attention_triton
+
+        return paged_attention_triton
+    return paged_attention_ref
 
 
 def build_attention_metadata(cache: PagedKVCache, slot_mapping: np.ndarray, block_tables: np.ndarray,

@@ -46,11 +46,11 @@ class AttentionMetadata:
     def from_host(cls, slot_mapping: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                   query_start_loc: np.ndarray | None, backend: Callable, device: torch.device) -> AttentionMetadata:
         """The step's metadata from its host arrays (checked already): one copy of each to ``device``."""
-        def upload(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(array.astype(np.dtype(str(dtype).removeprefix("torch."))), device)
+        def upload(array: np.ndarray, dtype: type) -> torch.Tensor:
+            return to_device(array.astype(dtype), device)
 
-        return cls(upload(slot_mapping, torch.int64), upload(block_tables, torch.int32), upload(seq_lens, torch.int32),
-                   None if query_start_loc is None else upload(query_start_loc, torch.int32), backend,
+        return cls(upload(slot_mapping, np.int64), upload(block_tables, np.int32), upload(seq_lens, np.int32),
+                   None if query_start_loc is None else upload(query_start_loc, np.int32), backend,
                    max_query_len=int(np.diff(query_start_loc).max()) if query_start_loc is not None else 1,
                    max_seq_len=int(seq_lens.max()) if seq_lens.size else 0)
 
