@@ -25,10 +25,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from harness import make_parser, results_dir_for  # noqa: E402
 
-from minipaged import SamplingParams  # noqa: E402
+from minipaged import (
+    LLM,  # noqa: E402
+    SamplingParams,  # noqa: E402
+)
 from minipaged.common.threads import apply_threads  # noqa: E402
-from minipaged.stage9_prefix_caching import LLM as Stage9LLM  # noqa: E402
-from minipaged.stage10_v1_scheduler import LLM as Stage10LLM  # noqa: E402
 
 LONG_PROMPT, SHORT_PROMPT, BUDGETS = 480, 16, (64, 256, 1024)
 
@@ -79,9 +80,9 @@ def main() -> None:
     count, repeats = (16, 1) if args.quick else (32, 5)
     shorts = [[rng.randrange(1, 2000) for _ in range(SHORT_PROMPT)] for _ in range(count)]
     long_prompt = [rng.randrange(1, 2000) for _ in range(LONG_PROMPT)]
-    configs = {"stage 9 (whole prompt)": lambda: Stage9LLM("tiny", num_gpu_blocks=512, max_model_len=512)}
+    configs = {"stage 9 (whole prompt)": lambda: LLM("tiny", stage=9, num_gpu_blocks=512, max_model_len=512)}
     for budget in BUDGETS:
-        configs[f"stage 10, budget {budget}"] = (lambda b=budget: Stage10LLM(
+        configs[f"stage 10, budget {budget}"] = (lambda b=budget: LLM(stage=10, model=
             "tiny", num_gpu_blocks=512, max_model_len=512, max_num_batched_tokens=b))
     rows, reference = {}, None
     for name, make in configs.items():

@@ -38,7 +38,7 @@ def main() -> None:
         prompts = [{"prompt_token_ids": prefix + [rng.randrange(1, 2000) for _ in range(rng.randint(8, 24))]}
                    for _ in range(count)]
         for caching in (False, True):
-            llm = LLM("tiny", num_gpu_blocks=1024, enable_prefix_caching=caching)
+            llm = LLM("tiny", stage=9, num_gpu_blocks=1024, enable_prefix_caching=caching)
             start = time.perf_counter()
             first = llm.generate(prompts[:1], params, use_tqdm=False)
             rest = llm.generate(prompts[1:], params, use_tqdm=False)

@@ -90,7 +90,8 @@ class ReservingEngine(LLMEngine):
 
 
 def start(policy: str):
-    llm = LLM("tiny", num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, max_num_seqs=256)
+    llm = LLM("tiny", scheduler="v0", num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_LEN,
+              max_num_seqs=256)
     if policy != "paged":
         llm.engine = ReservingEngine(llm.engine, policy, BLOCKS * BLOCK_SIZE, MAX_LEN)
     with socket.socket() as s:

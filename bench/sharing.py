@@ -23,7 +23,6 @@ from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from minipaged.perf.simulate import synthetic_requests  # noqa: E402
-from minipaged.stage7_engine import LLM as UnsharedLLM  # noqa: E402
 
 TRACES = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}
 PAPER = {("Alpaca", "parallel"): "6.1-9.8%", ("Alpaca", "beam"): "37.6-55.2%",
@@ -47,11 +46,11 @@ def blocks_over_time(llm, run) -> list[int]:
 
 def parallel_saving(requests, n) -> float:
     prompts = [{"prompt_token_ids": [1 + i % 2000 for i in range(r.prompt_len)]} for r in requests]
-    shared = LLM("tiny", num_gpu_blocks=4096)
+    shared = LLM("tiny", stage=8, num_gpu_blocks=4096)
     params = [SamplingParams(n=n, max_tokens=r.output_len, temperature=1.0, seed=10 * i, ignore_eos=True)
               for i, r in enumerate(requests)]
     used_shared = sum(blocks_over_time(shared, lambda: shared.generate(prompts, params, use_tqdm=False)))
-    unshared = UnsharedLLM("tiny", num_gpu_blocks=4096)
+    unshared = LLM("tiny", stage=7, num_gpu_blocks=4096)
     alone = [SamplingParams(max_tokens=r.output_len, temperature=1.0, seed=10 * i + k, ignore_eos=True)
              for i, r in enumerate(requests) for k in range(n)]
     repeated = [p for p in prompts for _ in range(n)]
@@ -62,7 +61,7 @@ def parallel_saving(requests, n) -> float:
 def beam_saving(requests, width) -> float:
     shared = unshared = 0
     for r in requests:
-        llm = LLM("tiny", num_gpu_blocks=4096)
+        llm = LLM("tiny", stage=8, num_gpu_blocks=4096)
         manager, replace_beams = llm.scheduler.block_manager, llm.engine.replace_beams
 
         def recording(request, beams, keep, manager=manager, replace_beams=replace_beams):

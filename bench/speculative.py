@@ -29,10 +29,8 @@ import time
 
 from harness import make_parser, results_dir_for  # noqa: E402
 
-from minipaged import SamplingParams
+from minipaged import LLM, SamplingParams
 from minipaged.common.threads import apply_threads
-from minipaged.stage10_v1_scheduler import LLM as Stage10LLM
-from minipaged.stage12_speculative import LLM as SpecLLM
 
 KS = (1, 2, 4, 8)
 BATCHES = (1, 16)
@@ -40,7 +38,7 @@ BATCHES = (1, 16)
 
 def workloads(batch: int, max_tokens: int) -> dict[str, list[list[int]]]:
     """``batch`` prompts of each kind."""
-    llm, rng = Stage10LLM("tiny"), random.Random(0)
+    llm, rng = LLM("tiny", stage=10), random.Random(0)
     starts = [".. versionchanged::", "The following example", "Return the number of", "class Counter"]
     repetitive = []
     for i in range(batch):
@@ -82,19 +80,19 @@ def main() -> None:
     rows = []
     for batch in BATCHES:
         for name, prompts in workloads(batch, max_tokens).items():
-            base = Stage10LLM("tiny", num_gpu_blocks=1024)
+            base = LLM("tiny", stage=10, num_gpu_blocks=1024)
             timed_run(base, prompts, params)  # warm up
             base_times, expected, _ = zip(*(timed_run(base, prompts, params) for _ in range(repeats)), strict=True)
             for k in KS:
                 config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                           "prompt_lookup_min": 2}
-                llm = SpecLLM("tiny", num_gpu_blocks=1024, speculative_config=config)
+                llm = LLM("tiny", num_gpu_blocks=1024, speculative_config=config)
                 timed_run(llm, prompts, params)
-                before = llm.spec_decoding_stats
+                before = llm.stats.spec_decoding
                 runs = [timed_run(llm, prompts, params) for _ in range(repeats)]
                 times, outputs, decodes = zip(*runs, strict=True)
                 assert all(o == expected[0] for o in outputs), f"outputs differ from stage 10's ({name}, k={k})"
-                stats = llm.spec_decoding_stats
+                stats = llm.stats.spec_decoding
                 coverage = (stats.num_drafts - before.num_drafts) / sum(decodes)  # decode passes with a draft
                 drafts = stats.num_draft_tokens - before.num_draft_tokens
                 alpha = (stats.num_accepted_tokens - before.num_accepted_tokens) / drafts if drafts else 0.0

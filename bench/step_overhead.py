@@ -44,14 +44,12 @@ import time
 import torch
 from harness import add_device_arguments, dtype_for, environment, make_parser, results_dir_for, synchronize
 
-from minipaged import RequestOutputKind, SamplingParams
+from minipaged import LLM, RequestOutputKind, SamplingParams
 from minipaged.common.threads import apply_threads
-from minipaged.stage7_engine import LLM as Stage7LLM
-from minipaged.stage10_v1_scheduler import LLM as Stage10LLM
 
 PROMPT = 16
-ENGINES = {"stage 7": (Stage7LLM, {}), "stage 10": (Stage10LLM, {}),
-           "stage 10 async": (Stage10LLM, {"async_scheduling": True})}
+ENGINES = {"stage 7": (LLM, {"stage": 7}), "stage 10": (LLM, {"stage": 10}),
+           "stage 10 async": (LLM, {"stage": 10, "async_scheduling": True})}
 
 
 class Timed:

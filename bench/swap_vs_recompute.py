@@ -26,7 +26,7 @@ from harness import make_parser, results_dir_for  # noqa: E402
 
 from minipaged import LLM  # noqa: E402
 from minipaged.common.sequence import Sequence  # noqa: E402
-from minipaged.stage6_scheduler import SchedulerOutput  # noqa: E402
+from minipaged.stage6_scheduler import SchedulerOutputs  # noqa: E402
 from minipaged.stage6_swapping import SwapBlockSpaceManager  # noqa: E402
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -45,7 +45,7 @@ def best_of(fn, repeats: int) -> float:
 def measure(size: int, device: str, repeats: int) -> dict:
     """Time one swap round trip and one recomputation of a 512-token sequence."""
     blocks = TOKENS // size
-    llm = LLM("tiny", num_gpu_blocks=blocks + 1, block_size=size, max_model_len=TOKENS,
+    llm = LLM("tiny", scheduler="v0", num_gpu_blocks=blocks + 1, block_size=size, max_model_len=TOKENS,
               preemption_mode="swap", device=device)
     manager: SwapBlockSpaceManager = llm.scheduler.block_manager
     seq = Sequence(list(range(1, TOKENS + 1)))
@@ -58,7 +58,7 @@ def measure(size: int, device: str, repeats: int) -> dict:
             torch.cuda.synchronize()
 
     def recompute():
-        llm.engine.runner.execute(SchedulerOutput(scheduled=[(seq, TOKENS)]))
+        llm.engine.runner.execute(SchedulerOutputs(scheduled=[(seq, TOKENS)]))
         if device == "cuda":
             torch.cuda.synchronize()
 

@@ -37,9 +37,11 @@ import torch  # noqa: E402
 from harness import make_parser, results_dir_for, write_json  # noqa: E402
 from peer_models import model_path  # noqa: E402
 
-from minipaged import SamplingParams  # noqa: E402
+from minipaged import (
+    LLM,  # noqa: E402
+    SamplingParams,  # noqa: E402
+)
 from minipaged.models.parallel import shard_config  # noqa: E402
-from minipaged.stage11_tensor_parallel import LLM  # noqa: E402
 
 
 def prompt(rng: random.Random, n: int, vocab: int = 2000) -> dict:

@@ -23,8 +23,8 @@ import time
 import torch
 from harness import make_parser, results_dir_for  # noqa: E402
 
+from minipaged import LLM, SamplingParams
 from minipaged.common.threads import free_cores
-from minipaged.stage7_engine import LLM, SamplingParams
 
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 32, 16, 64
 
@@ -45,7 +45,7 @@ def main() -> None:
     repeats = 1 if args.quick else 3
     cores = len(os.sched_getaffinity(0))
     settings = sorted({1, cores})
-    llm = LLM("tiny", max_num_seqs=PROMPTS, num_gpu_blocks=512, max_model_len=PROMPT_LEN + MAX_TOKENS)
+    llm = LLM("tiny", stage=7, max_num_seqs=PROMPTS, num_gpu_blocks=512, max_model_len=PROMPT_LEN + MAX_TOKENS)
     tokens_per_second(llm, 1)  # warm up
     print(f"tiny model, {PROMPTS} x {MAX_TOKENS} tokens, {cores} cores; tokens/s, median of {repeats}")
     rows = []

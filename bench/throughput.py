@@ -90,14 +90,14 @@ from harness import add_device_arguments, dtype_for, environment, make_parser, r
 from peer_models import WORKLOADS, ctranslate2_model, model_path  # noqa: E402
 from workloads import STEADY, STEADY_QUICK, steady  # noqa: E402
 
-from minipaged import stage7_engine, stage10_v1_scheduler  # noqa: E402
+from minipaged import LLM  # noqa: E402
 from minipaged.common.config import EngineConfig  # noqa: E402
 from minipaged.common.threads import apply_threads  # noqa: E402
 from minipaged.models import resolve_dtype  # noqa: E402
 from minipaged.perf.simulate import synthetic_requests  # noqa: E402
 from minipaged.stage7_engine import SamplingParams  # noqa: E402
 
-ENGINES = {"stage10": stage10_v1_scheduler.LLM, "stage7": stage7_engine.LLM}
+ENGINES = {"stage10": 10, "stage7": 7}  # the engine as of each stage
 HAS_ASYNC_SCHEDULING = "async_scheduling" in EngineConfig.__dataclass_fields__
 SIDES = ("minipaged", "transformers", "transformers_cb", "ctranslate2")
 BLOCK_SIZE = 16
@@ -241,14 +241,13 @@ def warm_up_prompts(max_len: int) -> list[dict]:
 def run_minipaged(args, path: Path, batch: int, max_len: int, prompts, outputs) -> dict:
     """One timed run of minipaged's ``LLM`` on a fresh engine, warmed up greedily first: its
     seconds, its share of them outside the forward, its steps and its tokens. A fresh engine, since
-    the prefix cache (always on in stage 10) would serve the run before's prompts again. Its KV
+    the prefix cache (on by default in stage 10) would serve the run before's prompts again. Its KV
     cache holds every running request at its longest: no preemption, as in the peers' caches."""
     device = torch.device(args.device)
     options = {"async_scheduling": True} if args.async_scheduling else {}
-    llm = ENGINES[args.engine](str(path), max_num_seqs=batch, max_model_len=max_len, block_size=BLOCK_SIZE,
-                               num_gpu_blocks=batch * -(-max_len // BLOCK_SIZE), device=args.device,
-                               dtype=dtype_for(args), attention_backend="triton" if device.type == "cuda" else "ref",
-                               **options)
+    llm = LLM(str(path), stage=ENGINES[args.engine], max_num_seqs=batch, max_model_len=max_len, block_size=BLOCK_SIZE,
+              num_gpu_blocks=batch * -(-max_len // BLOCK_SIZE), device=args.device, dtype=dtype_for(args),
+              attention_backend="triton" if device.type == "cuda" else "ref", **options)
     llm.generate(warm_up_prompts(max_len), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
     timer = llm.engine.runner.model = ForwardTimer(llm.engine.runner.model, device)

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 
 from minipaged.perf.simulate import OPT_13B_SLOTS as OPT_13B_SLOTS  # the paper's budget, for the benchmarks
-from minipaged.perf.simulate import Request, synthetic_requests
+from minipaged.perf.simulate import TraceRequest, synthetic_requests
 
 TRACES = {
     "ShareGPT": {"mean_prompt": 161.31, "mean_output": 337.99},
@@ -34,7 +34,7 @@ TRACES = {
 MAX_LEN = 2048
 
 
-def trace(name: str, num_requests: int, rate: float, seed: int = 0, max_len: int = MAX_LEN) -> list[Request]:
+def trace(name: str, num_requests: int, rate: float, seed: int = 0, max_len: int = MAX_LEN) -> list[TraceRequest]:
     """A seeded trace of ``num_requests`` with the named dataset's mean lengths."""
     return synthetic_requests(num_requests, **TRACES[name], max_len=max_len, rate=rate, seed=seed)
 

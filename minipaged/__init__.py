@@ -1,17 +1,20 @@
 """minipaged: vLLM's PagedAttention, built in small graded stages.
 
 Each stage adds one idea, checked against the stage below it, in its module
-``minipaged/stageN_<topic>.py`` (or two, where the idea has two halves: stage 6's scheduler
-and its swapping, stage 7's engine and its sampler, stage 10's scheduler and its runner).
+``minipaged/stageN_<topic>.py`` (or more, where the idea has parts: stage 6's scheduler and its
+swapping, stage 7's engine and its runner, stage 10's scheduler, its messages, its runner and its
+async stepping). ``minipaged.LLM`` (``minipaged/llm.py``) builds an engine of them, its parts
+chosen by its configuration.
 """
 
 from collections.abc import Callable
 
 import torch
 
-from minipaged import stage10_async_scheduling, stage10_v1_scheduler
+from minipaged.common.config import EngineConfig
 from minipaged.common.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.llm import LLM  # the engine, its parts chosen by its EngineConfig (every stage's)
 from minipaged.stage0_contiguous import (
     POLICIES,
     CacheUsage,
@@ -29,7 +32,7 @@ from minipaged.stage3_copy_on_write import (
     RefCountedBlockAllocator,
 )
 from minipaged.stage4_reference_attention import check_paged_attention_args, paged_attention_ref
-from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutputs
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 from minipaged.stage7_engine import LLMEngine
 from minipaged.stage7_model_runner import ModelRunner, Sampler
@@ -39,15 +42,7 @@ from minipaged.stage8_sharing import (
     BeamSearchSequence,
     SharingEngine,
 )
-from minipaged.stage9_prefix_caching import (  # the top of the ladder: every feature
-    LLM,
-    PrefixCachingAllocator,
-    PrefixCachingBlockSpaceManager,
-)
-
-# Stage 10's async engine builds on its synchronous one, so the synchronous module cannot import it:
-# the package, above both, registers it where LLM(async_scheduling=True) finds it.
-stage10_v1_scheduler.LLM.async_engine_class = stage10_async_scheduling.AsyncV1Engine
+from minipaged.stage9_prefix_caching import PrefixCachingAllocator, PrefixCachingBlockSpaceManager
 
 paged_attention_triton: Callable[..., torch.Tensor] | None
 try:  # Triton installs on Linux x86_64; elsewhere stage 5 is absent and stage 4 serves
@@ -59,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "EngineConfig",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
@@ -72,7 +68,7 @@ __all__ = [
     "Sampler",
     "RequestOutputKind",
     "Scheduler",
-    "SchedulerOutput",
+    "SchedulerOutputs",
     "Sequence",
     "SequenceGroup",
     "SequenceStatus",

@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-          enable_prefix_caching=args.prefix_caching, **_given(args, "max_num_batched_tokens"),
+          **_given(args, "max_num_batched_tokens", "enable_prefix_caching"),
           logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
@@ -110,8 +110,8 @@ DEMO_PROMPTS = [
 def _engine_demo(args: argparse.Namespace) -> None:
     from minipaged import LLM, SamplingParams
 
-    llm = LLM("tiny", num_gpu_blocks=args.blocks, block_size=16, max_model_len=128,
-              preemption_mode=args.preemption_mode, seed=0)
+    llm = LLM("tiny", scheduler="v0", num_gpu_blocks=args.blocks, block_size=16, max_model_len=128,
+              preemption_mode=args.preemption_mode, seed=0)  # the paper's scheduler: swap or recompute
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
     print(f"{len(DEMO_PROMPTS)} prompts through the tiny model, in a KV cache of only {args.blocks} blocks "
           f"of 16 tokens ({args.blocks * 16} slots), preemption by {args.preemption_mode}:\n")
@@ -167,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              enable_prefix_caching=args.prefix_caching, **_given(args, "max_num_batched_tokens"))
+              scheduler="v0", **_given(args, "max_num_batched_tokens", "enable_prefix_caching"))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     for out in llm.generate(args.prompt, [params] * len(args.prompt), use_tqdm=False):
@@ -186,8 +186,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: the share of the device's memory the engine may take (the K/V take what is left)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", "--prefix-caching", dest="prefix_caching", action="store_true",
-                   help="reuse the K/V of shared prefixes")
+    p.add_argument("--enable-prefix-caching", "--prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction,
+                   help="reuse the K/V of shared prefixes (default: on under --scheduler v1, off under v0)")
     p.add_argument("--max-num-batched-tokens", type=int, help="the tokens one step may compute (the token budget)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
 
@@ -260,7 +261,8 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")
     p.add_argument("--scheduler", default="v0", choices=["v0", "v1"],
-                   help="v1: stage 10's engine (one token budget per step, chunked prefill, prefix caching)")
+                   help="v0: the paper's (stage 6: swap or recompute, n > 1, beams); v1: stage 10's (one token "
+                        "budget per step, chunked prefill, prefix caching on by default)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="with --scheduler v1: schedule each step while the one before runs")
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",

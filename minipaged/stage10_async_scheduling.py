@@ -8,7 +8,7 @@ GIL inside its kernels, and one torch thread leaves the second core free — whi
 schedules the next step and processes the last one's outputs. One step ``N`` is in flight:
 
 1. **Schedule N + 1**, while N runs. A request that N samples is scheduled again with a
-   **placeholder** for the token not sampled yet (``V1Scheduler.num_new_tokens``): its slot
+   **placeholder** for the token not sampled yet (``AsyncScheduler.num_new_tokens``): its slot
    and blocks are allocated, its id is unknown. Not scheduled yet: a request whose token is
    its last (it ends, whatever the token), or its first since admission (stage 9 makes the
    prompt's blocks findable at its first decode; step N must have written them first).
@@ -29,6 +29,7 @@ pass still running finishes in the worker before any other starts, its result dr
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -36,8 +37,66 @@ import torch
 
 from minipaged.common.sampler import SamplerOutput
 from minipaged.common.sampling_params import RequestOutput
+from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.stage7_engine import CUMULATIVE, Request
-from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine, prompt_logprob_rows
+from minipaged.stage10_sched_output import SchedulerOutput
+from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler, prompt_logprob_requests, tokens_after
+
+
+class AsyncScheduler(V1Scheduler):
+    """V1's scheduler, scheduling placeholders for the tokens of the step in flight."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.admitted_len: dict[Hashable, int] = {}  # each running request's length when it was (re)admitted
+
+    def schedule(self) -> SchedulerOutput:
+        """V1's step; the requests it admits are remembered with their length then (``num_new_tokens``)."""
+        out = super().schedule()
+        for new in out.scheduled_new_reqs:
+            self.admitted_len[new.req_id] = len(new.token_ids)
+        return out
+
+    def num_new_tokens(self, request: Request, budget: int) -> int:
+        """V1's count; a request whose tokens are all computed (the step in flight samples its next)
+        gets one placeholder for that token (its id reaches the runner before this step runs:
+        ``add_sampled_tokens``), unless it is the request's last (``max_tokens``, ``max_model_len``)
+        or its first since it was admitted: its first decode makes its prompt's blocks findable
+        (stage 9), and they must not be before the step in flight has surely written their K/V."""
+        seq = request.seqs[0]
+        if seq.num_computed_tokens < len(seq):
+            return super().num_new_tokens(request, budget)
+        # BEGIN SOLUTION one placeholder, except for the last token and the first since admission
+        last = len(seq.output_token_ids) + 1 >= request.max_tokens or len(seq) + 1 >= self.max_model_len
+        return 0 if last or len(seq) == self.admitted_len[request.request_id] else 1
+        # END SOLUTION
+
+    def add_sampled_tokens(self, out: SchedulerOutput) -> None:
+        """The tokens sampled since ``out`` was scheduled, added to its messages for the runner
+        (``CachedRequestData.new_token_ids``) before it runs."""
+        requests = {r.request_id: r for r in out.scheduled}
+        for cached in out.scheduled_cached_reqs:
+            sent = self.num_tokens_sent.get(cached.req_id)
+            if sent is not None:  # not finished since
+                seq = requests[cached.req_id].seqs[0]
+                cached.new_token_ids += tokens_after(seq, sent)
+                self.num_tokens_sent[cached.req_id] = len(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """V1's; a sequence preempted while its last step ran finishes from ``waiting``, holding no block."""
+        request = self.request_of(seq)
+        self.admitted_len.pop(request.request_id, None)
+        if seq.status is SequenceStatus.RUNNING:
+            super().finish(seq)
+            return
+        self.waiting.remove(request)
+        seq.status = SequenceStatus.FINISHED
+        self.finished_req_ids.append(request.request_id)
+        self.num_tokens_sent.pop(request.request_id, None)
+
+    def abort(self, request_id: Hashable) -> bool:
+        self.admitted_len.pop(request_id, None)
+        return super().abort(request_id)
 
 
 class InFlight(NamedTuple):
@@ -50,7 +109,9 @@ class InFlight(NamedTuple):
 
 
 class AsyncV1Engine(V1Engine):
-    """Stage 10's engine with one step in flight: ``LLM(..., async_scheduling=True)``."""
+    """Stage 10's engine with one step in flight, over an ``AsyncScheduler``: ``LLM(..., async_scheduling=True)``."""
+
+    scheduler: AsyncScheduler
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,7 +130,7 @@ class AsyncV1Engine(V1Engine):
 
     def launch(self, out: SchedulerOutput) -> None:
         self.scheduler.add_sampled_tokens(out)
-        self.in_flight = InFlight(out, prompt_logprob_rows(out), self.worker.submit(self.forward_and_sample, out))
+        self.in_flight = InFlight(out, prompt_logprob_requests(out), self.worker.submit(self.forward_and_sample, out))
 
     def step(self) -> list[RequestOutput]:
         """Schedule the next step while this one runs; return this one's outputs."""

@@ -5,15 +5,13 @@ The runner keeps a **persistent batch** (``InputBatch``): one row per request â€
 changed (new requests, the last sampled token, new blocks, rows of finished or preempted
 requests), then gathers the flat inputs with numpy indexing instead of rebuilding them
 from every block table. The changes come from the scheduler (``stage10_v1_scheduler``),
-in a ``SchedulerOutput`` of ``NewRequestData`` and ``CachedRequestData``, as vLLM V1's
-scheduler sends them to its model runner.
+in a ``SchedulerOutput`` of ``NewRequestData`` and ``CachedRequestData`` (``stage10_sched_output``),
+as vLLM V1's scheduler sends them to its model runner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,45 +21,7 @@ from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.models import CausalLM
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage7_model_runner import build_attention_metadata
-
-if TYPE_CHECKING:  # the engine's requests, named in annotations only
-    from minipaged.stage7_engine import Request
-
-
-@dataclass
-class NewRequestData:
-    """A request the runner has not seen (or must see afresh, after a preemption): all of it."""
-
-    req_id: Hashable
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    """A request already in the persistent batch: only what changed since its last step."""
-
-    req_id: Hashable
-    new_token_ids: list[int]  # the token sampled last step, if any
-    new_block_ids: list[int]
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: how many tokens each request computes, and the differences for the runner."""
-
-    num_scheduled_tokens: dict[Hashable, int] = field(default_factory=dict)  # in scheduling order
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    preempted_req_ids: list[Hashable] = field(default_factory=list)
-    finished_req_ids: list[Hashable] = field(default_factory=list)  # since the last step
-    scheduled: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class InputBatch:
@@ -128,7 +88,7 @@ class V1ModelRunner:
 
         A request samples when its tokens are all computed after this step; a request whose
         prompt is not finished yet produces no logits. After those rows come the prompt
-        positions of the requests that ask for ``prompt_logprobs`` (``prompt_logits_indices``).
+        positions of the requests that ask for ``prompt_logprobs`` (``extra_logits_indices``).
         """
         batch, size, num_reqs = self.input_batch, self.block_size, len(out.num_scheduled_tokens)
         for req_id in out.finished_req_ids + out.preempted_req_ids:
@@ -151,7 +111,7 @@ class V1ModelRunner:
             None if counts.max() == 1 else np.concatenate([[0], ends]).astype(np.int32), self.backend)
         done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
         logits_indices = np.concatenate([(ends - 1)[done],
-                                         self.prompt_logits_indices(out, batch.num_computed_tokens[rows], ends)])
+                                         self.extra_logits_indices(out, batch.num_computed_tokens[rows], ends)])
         with torch.inference_mode():
             hidden = self.model(to_device(token_ids, self.device), to_device(positions, self.device), self.cache, meta)
             batch.num_computed_tokens[rows] = seq_lens
@@ -160,9 +120,10 @@ class V1ModelRunner:
         return [r for r, d in zip(out.num_scheduled_tokens, done.tolist(), strict=True) if d], logits
         # END SOLUTION
 
-    def prompt_logits_indices(self, out: SchedulerOutput, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """The flat indices of the prompt positions this step computes for the requests asking for
-        ``prompt_logprobs`` (``starts``: each request's computed tokens before the step), in order."""
+    def extra_logits_indices(self, out: SchedulerOutput, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The rows wanted after the sampled ones (``starts``: each request's computed tokens before the
+        step; ``ends``: one past each request's last flat index): the flat indices of the prompt
+        positions this step computes for the requests asking for ``prompt_logprobs``, in order."""
         indices: list[int] = []
         for i, request in enumerate(out.scheduled):
             if request.params.prompt_logprobs is not None:

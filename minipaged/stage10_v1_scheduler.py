@@ -11,21 +11,23 @@ prompts. vLLM V1 has no phases. A request is its tokens and how many of them are
    **recompute** — its blocks freed, back to the *front* of ``waiting``, its
    ``num_computed_tokens`` back to 0 (no swap in V1).
 2. **Waiting requests, oldest first**, while budget, blocks and ``max_num_seqs`` last; the
-   first that does not fit stops the others. Prefix caching is always on: stage 9's ``allocate`` takes the
-   cached prefix, so a request starts at its first uncached token (stage 9 never takes
-   the block of the last token, so it is always computed). The last request admitted
-   may get only a chunk of its prompt.
+   first that does not fit stops the others. With prefix caching (on by default, as in vLLM
+   V1; ``enable_prefix_caching=False`` turns it off) stage 9's ``allocate`` takes the cached
+   prefix, so a request starts at its first uncached token (stage 9 never takes the block of
+   the last token, so it is always computed). The last request admitted may get only a
+   chunk of its prompt.
 
 A chunk attends to the computed prefix and to itself: stage 4's variable-length path
 (``query_start_loc``). Decodes and chunks share one forward pass; a request whose prompt
 is not finished produces no token that step. The scheduler tells the runner only what
 changed since the last step (``NewRequestData``, ``CachedRequestData``, in a
-``SchedulerOutput``); the runner (``stage10_model_runner``, where those messages are
-defined) keeps every request's inputs in a **persistent batch**.
+``SchedulerOutput``: ``stage10_sched_output``); the runner (``stage10_model_runner``) keeps
+every request's inputs in a **persistent batch**.
 
-Composed from stage 9's block manager, stage 7's sampler and engine, and the model, through
-their public interfaces. Simplification: V1 allocates a chunk's blocks as it schedules it;
-here stage 9's ``allocate`` takes blocks for the whole sequence when it is admitted. One
+Composed from a block manager (stage 9's, or stage 6's without prefix caching), stage 7's
+sampler and engine, and the model, through their public interfaces. Simplification: V1
+allocates a chunk's blocks as it schedules it; here the manager's ``allocate`` takes blocks
+for the whole sequence when it is admitted. One
 sequence per request: ``n > 1`` and beam search are refused. Checked against stage 9: the
 same tokens and log-probabilities for any budget, from 1 token up.
 """
@@ -34,26 +36,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable
-from typing import Any
 
-from minipaged import stage9_prefix_caching
 from minipaged.common.checks import check_int
-from minipaged.common.config import ResolvedEngineConfig
 from minipaged.common.processor import Prompt
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.common.stats import SchedulerStats
 from minipaged.stage1_block_allocator import OutOfBlocksError
+from minipaged.stage6_swapping import SwapBlockSpaceManager
 from minipaged.stage7_engine import LLMEngine, Request
-from minipaged.stage8_sharing import BeamSearchOutput
-from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager, skip_cache_reads_for_prompt_logprobs
-from minipaged.stage10_model_runner import (
-    CachedRequestData,
-    NewRequestData,
-    SchedulerOutput,
-    V1ModelRunner,
-)
+from minipaged.stage9_prefix_caching import skip_cache_reads_for_prompt_logprobs
+from minipaged.stage10_model_runner import V1ModelRunner
+from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def tokens_after(seq: Sequence, start: int) -> list[int]:
@@ -63,15 +58,15 @@ def tokens_after(seq: Sequence, start: int) -> list[int]:
 
 
 class KVCacheManager:
-    """V1's name for the blocks of requests; here stage 9's manager (prefix caching on) does the work."""
+    """V1's name for the blocks of requests; here a block manager of stage 6 or 9 (prefix caching) does the work."""
 
-    def __init__(self, manager: PrefixCachingBlockSpaceManager) -> None:
+    def __init__(self, manager: SwapBlockSpaceManager) -> None:
         self.manager = manager
 
     def allocate_prompt(self, seq: Sequence) -> int | None:
         """Blocks for all of a new (or recomputed) sequence's tokens, the cached prefix reused: the
         number of tokens found computed (V1: ``get_computed_blocks``); None if too few blocks are free."""
-        # BEGIN SOLUTION stage 9's allocate finds the cached prefix; a refusal changes nothing
+        # BEGIN SOLUTION the manager's allocate finds the cached prefix (stage 9); a refusal changes nothing
         try:
             return self.manager.allocate(seq.seq_id, seq.token_ids)
         except OutOfBlocksError:
@@ -124,7 +119,6 @@ class V1Scheduler:
         self.running: list[Request] = []  # in the order they were admitted: the oldest first
         self.finished_req_ids: list[Hashable] = []  # for the runner, at the next step
         self.num_tokens_sent: dict[Hashable, int] = {}  # tokens of each request the runner holds
-        self.admitted_len: dict[Hashable, int] = {}  # each running request's length when it was (re)admitted
         self._stats = SchedulerStats(num_gpu_blocks=self.block_manager.num_total_blocks)
 
     def add(self, request: Request) -> None:
@@ -153,17 +147,12 @@ class V1Scheduler:
                                    num_used_blocks=manager.num_total_blocks - manager.num_free_blocks)
 
     def finish(self, seq: Sequence) -> None:
-        """A sequence is done: its blocks go back, and the runner drops its row next step. (With async
-        scheduling, a sequence preempted while its last step ran finishes from ``waiting``.)"""
+        """A sequence is done: its blocks go back, and the runner drops its row next step."""
         request = self.request_of(seq)
-        if seq.status is SequenceStatus.RUNNING:
-            self.kv_cache_manager.free(seq)
-        else:
-            self.waiting.remove(request)
+        self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         self.finished_req_ids.append(request.request_id)
         self.num_tokens_sent.pop(request.request_id, None)
-        self.admitted_len.pop(request.request_id, None)
 
     def request_of(self, seq: Sequence) -> Request:
         return next(r for r in (*self.running, *self.waiting) if r.seqs[0] is seq)
@@ -179,7 +168,6 @@ class V1Scheduler:
                     seq.status = SequenceStatus.FINISHED
                     self.finished_req_ids.append(request_id)
                     self.num_tokens_sent.pop(request_id, None)
-                    self.admitted_len.pop(request_id, None)
                     return True
         return False
 
@@ -225,7 +213,7 @@ class V1Scheduler:
             request = self.running[i]
             seq = request.seqs[0]
             n = self.num_new_tokens(request, budget)
-            if n == 0:  # its next token, sampled by the step in flight, cannot be scheduled yet
+            if n == 0:  # nothing to compute yet (with async scheduling: its token is not sampled yet)
                 i += 1
                 continue
             while (new_blocks := kv.allocate_slots(seq, n)) is None:
@@ -248,7 +236,6 @@ class V1Scheduler:
                 break
             self.waiting.pop(0)
             self.running.append(request)
-            self.admitted_len[request.request_id] = len(seq)
             seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, computed
             n = min(len(seq) - computed, budget)
             out.scheduled_new_reqs.append(NewRequestData(
@@ -265,33 +252,11 @@ class V1Scheduler:
         return out
 
     def num_new_tokens(self, request: Request, budget: int) -> int:
-        """The tokens a running request computes this step: those not computed yet, at most ``budget``.
-
-        Only with async scheduling are all of a running request's tokens computed: the step in
-        flight samples its next one. That token is scheduled now, as a placeholder (its id reaches
-        the runner before this step runs: ``add_sampled_tokens``), unless it is the request's last
-        (``max_tokens``, ``max_model_len``) or its first since it was admitted: its first decode
-        makes its prompt's blocks findable (stage 9), and they must not be before the step in
-        flight has surely written their K/V.
-        """
+        """The tokens a running request computes this step: those not computed yet, at most ``budget``."""
         seq = request.seqs[0]
         # BEGIN SOLUTION what is not computed yet, cut to the budget
-        if seq.num_computed_tokens < len(seq):
-            return min(len(seq) - seq.num_computed_tokens, budget)
+        return min(len(seq) - seq.num_computed_tokens, budget)
         # END SOLUTION
-        last = len(seq.output_token_ids) + 1 >= request.max_tokens or len(seq) + 1 >= self.max_model_len
-        return 0 if last or len(seq) == self.admitted_len[request.request_id] else 1
-
-    def add_sampled_tokens(self, out: SchedulerOutput) -> None:
-        """Async scheduling: the tokens sampled since ``out`` was scheduled, added to its messages for
-        the runner (``CachedRequestData.new_token_ids``) before it runs."""
-        requests = {r.request_id: r for r in out.scheduled}
-        for cached in out.scheduled_cached_reqs:
-            sent = self.num_tokens_sent.get(cached.req_id)
-            if sent is not None:  # not finished since
-                seq = requests[cached.req_id].seqs[0]
-                cached.new_token_ids += tokens_after(seq, sent)
-                self.num_tokens_sent[cached.req_id] = len(seq)
 
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = n
@@ -299,7 +264,7 @@ class V1Scheduler:
         self.num_tokens_sent[request.request_id] = len(request.seqs[0])
 
 
-def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[Request, range]]:
+def prompt_logprob_requests(out: SchedulerOutput) -> list[tuple[Request, range]]:
     """The requests of a step that asked for ``prompt_logprobs``, with the prompt positions it
     computes for them, in order (as the runner orders their rows). Read right after ``schedule``,
     which has already counted the step's tokens computed."""
@@ -338,7 +303,7 @@ class V1Engine(LLMEngine):
 
     def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
         """Run the step; sample for the requests that finished their prompt: those, in order."""
-        prompt_rows = prompt_logprob_rows(out)
+        prompt_rows = prompt_logprob_requests(out)
         req_ids, logits = self.runner.execute_model(out)
         self.record_prompt_logprobs(prompt_rows, logits[len(req_ids):])
         requests = [self.requests[r] for r in req_ids]
@@ -358,41 +323,3 @@ class V1Engine(LLMEngine):
         running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
         token, held = self.scheduler.kv_cache_manager.num_slots(running)
         return out.total_num_scheduled_tokens - decodes, decodes, token, held
-
-
-class LLM(stage9_prefix_caching.LLM):
-    """The engine of stage 9 with V1's scheduling: ``LLM(max_num_batched_tokens=...)``, any budget >= 1;
-    ``async_scheduling=True`` schedules each step while the one before runs."""
-
-    engine_class = V1Engine
-    supported_features = frozenset({"async_scheduling"})  # each step scheduled while the one before runs
-    async_engine_class: type[V1Engine] | None = None  # stage10_async_scheduling's, registered by the package
-
-    def __init__(self, model: str = "tiny", *, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, async_scheduling: bool = False, **kwargs: Any) -> None:
-        if async_scheduling is True:  # step N + 1 scheduled while step N runs (stage10_async_scheduling)
-            if self.async_engine_class is None:
-                raise ValueError("async_scheduling: no engine is registered for it")
-            self.engine_class = self.async_engine_class
-        super().__init__(model, max_num_batched_tokens=max_num_batched_tokens,
-                         enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling, **kwargs)
-
-    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
-        if config.preemption_mode != "recompute" or not config.enable_prefix_caching:
-            raise ValueError("V1 preempts by recompute only, and prefix caching is always on")
-        check_int("max_num_batched_tokens", config.max_num_batched_tokens, 1)  # V1 has no default budget: not None
-        return super().check_config(config)
-
-    def build_scheduler(self, block_manager: PrefixCachingBlockSpaceManager) -> V1Scheduler:  # type: ignore[override]
-        c = self.config
-        assert c.max_num_batched_tokens is not None  # check_config refused None
-        return V1Scheduler(KVCacheManager(block_manager), max_num_batched_tokens=c.max_num_batched_tokens,
-                           max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
-
-    def build_runner(self) -> V1ModelRunner:  # type: ignore[override]
-        c = self.config
-        return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
-                             self.attention_backend())
-
-    def beam_search(self, prompts: object, params: object = None) -> list[BeamSearchOutput]:
-        raise ValueError("stage 10 serves one sequence per request: use stage 8's or 9's LLM for beam search")

@@ -30,12 +30,9 @@ step is sent to all of them or to none; they never outlive their ``LLM`` (``clos
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import tempfile
@@ -46,17 +43,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from minipaged import stage9_prefix_caching, stage10_v1_scheduler
 from minipaged.common.config import ResolvedEngineConfig
-from minipaged.common.sampling_params import SamplingParams
-from minipaged.models import AttentionMetadata, CausalLM, ModelConfig
-from minipaged.models.parallel import check_tensor_parallel
+from minipaged.models import AttentionMetadata, ModelConfig
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage11_worker import StepInputs, Worker, WorkerConfig, run_worker
 
@@ -179,6 +173,11 @@ class MultiprocExecutor:
     def execute_model(self, step: StepInputs) -> torch.Tensor:
         return torch.from_numpy(self.collective_rpc("execute_model", step)[0])
 
+    def check_health(self) -> None:
+        """``WorkerDiedError`` if a worker is gone, or the executor shut down (vLLM's ``check_health``)."""
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+
     def shutdown(self) -> None:
         self.dead = self.dead or "the executor is shut down"
         self.finalizer()
@@ -207,6 +206,10 @@ class ExternalLauncherExecutor:
 
     def execute_model(self, step: StepInputs) -> torch.Tensor:
         return torch.from_numpy(self.collective_rpc("execute_model", step)[0])
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
 
     def shutdown(self) -> None:
         if self.dead is None:
@@ -329,89 +332,22 @@ class RemoteKVCache:
         # END SOLUTION
 
 
-class TensorParallelLLM:
-    """What tensor parallelism adds to an ``LLM``: ``tensor_parallel_size`` workers hold the model and
-    the K/V, the driver keeps everything else. With ``tensor_parallel_size=1`` it is the ``LLM`` below."""
-
-    executor: Executor | None = None
-    config: ResolvedEngineConfig
-    model_config: ModelConfig
-    device: torch.device
-
-    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
-        tp = config.tensor_parallel_size
-        check_tensor_parallel(self.model_config, tp)  # a ValueError before any worker starts
-        return super().check_config(config)  # type: ignore[misc]
-
-    def build_model(self, path: Path) -> CausalLM:
-        c = self.config
-        if c.tensor_parallel_size == 1:
-            return super().build_model(path)  # type: ignore[misc]
-        worker_config = WorkerConfig(str(path), str(c.dtype).removeprefix("torch."), str(c.device), c.block_size,
-                                     c.num_gpu_blocks, c.num_cpu_blocks or 0, c.tensor_parallel_size)
-        external = c.distributed_executor_backend == "external_launcher"
-        self.executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config)
-        return cast("CausalLM", TensorParallelModel(self.executor, c.attention_backend))  # called as the model is
-
-    def build_cache(self) -> Any:
-        if self.executor is None:
-            return super().build_cache()  # type: ignore[misc]
-        return RemoteKVCache(self.executor, self.model_config, self.device, self.config.num_gpu_blocks,
-                             self.config.block_size)
-
-    def check_health(self) -> None:
-        """``WorkerDiedError`` if a worker is gone (vLLM's ``check_health``)."""
-        if self.executor is not None and self.executor.dead is not None:
-            raise WorkerDiedError(self.executor.dead)
-
-    def close(self) -> None:
-        """Stop the workers; the ``LLM`` serves no more."""
-        if self.executor is not None:
-            self.executor.shutdown()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def start_tensor_parallel(config: ResolvedEngineConfig, model_config: ModelConfig,
+                          path: Path) -> tuple[Executor, TensorParallelModel, RemoteKVCache]:
+    """Start ``config.tensor_parallel_size`` workers holding the model's shards and their K/V; return
+    the executor and the driver's stand-ins for the model and the cache, which the runner of stage 7
+    or 10 calls as it calls the real ones."""
+    c = config
+    worker_config = WorkerConfig(str(path), str(c.torch_dtype).removeprefix("torch."), str(c.device), c.block_size,
+                                 c.num_gpu_blocks, c.num_cpu_blocks, c.tensor_parallel_size)
+    external = c.distributed_executor_backend == "external_launcher"
+    executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config)
+    cache = RemoteKVCache(executor, model_config, torch.device(c.device), c.num_gpu_blocks, c.block_size)
+    return executor, TensorParallelModel(executor, c.attention_backend), cache
 
 
-class LLM(TensorParallelLLM, stage10_v1_scheduler.LLM):
-    """Stage 10's engine (V1's scheduler, chunked prefill, prefix caching), tensor parallel."""
-
-    supported_features = stage10_v1_scheduler.LLM.supported_features | {"tensor_parallel_size"}
-
-
-class V0LLM(TensorParallelLLM, stage9_prefix_caching.LLM):
-    """Stage 9's engine (V0's scheduler: swap or recompute, forks and beams, prefix caching), tensor parallel."""
-
-    supported_features = stage9_prefix_caching.LLM.supported_features | {"tensor_parallel_size"}
-
-
-def torchrun_main(argv: list[str] | None = None) -> None:
-    """``torchrun --nproc-per-node N -m minipaged.stage11_tensor_parallel --model M --prompt-token-ids '[[...]]'``:
-    every process a worker, its rank and the rendezvous from torchrun's environment; rank 0 also
-    runs the engine (``distributed_executor_backend="external_launcher"``, vLLM's name) and prints
-    the greedy outputs as JSON, one line per prompt."""
-    parser = argparse.ArgumentParser(prog="python -m minipaged.stage11_tensor_parallel")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--prompt-token-ids", required=True, help="a JSON list of lists of token ids")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args(argv)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if rank != 0:
-        follow_rank_0(WorkerConfig(args.model, "float32", "cpu", args.block_size, args.num_gpu_blocks, 0,
-                                   world_size), rank)
-        return
-    with LLM(args.model, tensor_parallel_size=world_size, distributed_executor_backend="external_launcher",
-             num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size) as llm:
-        prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        for out in llm.generate(prompts, params, use_tqdm=False):
-            print(json.dumps(out.outputs[0].token_ids), flush=True)
-
-
-if __name__ == "__main__":
-    torchrun_main()
+def follow_rank_0_of(config: ResolvedEngineConfig, path: Path, rank: int) -> None:
+    """Under ``torchrun``, a rank other than 0: load its shard and follow rank 0 until it shuts down."""
+    follow_rank_0(WorkerConfig(str(path), str(config.torch_dtype).removeprefix("torch."), str(config.device),
+                               config.block_size, config.num_gpu_blocks, config.num_cpu_blocks,
+                               config.tensor_parallel_size), rank)

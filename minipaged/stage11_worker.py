@@ -12,7 +12,7 @@ sends back the logits.
 
 A worker is started by the driver (``stage11_tensor_parallel``, the spawn start method; inputs
 and replies over a pipe), or by ``torchrun``, which sets its rank, the world size and the
-rendezvous in its environment (``python -m minipaged.stage11_tensor_parallel``: rank 0 runs the
+rendezvous in its environment (``python -m minipaged.llm``: rank 0 runs the
 engine, the others follow it). Every collective has the process group's timeout; a worker
 exits when the driver goes away.
 """

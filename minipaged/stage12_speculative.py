@@ -34,15 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from minipaged import stage10_v1_scheduler
-from minipaged.common.config import ResolvedEngineConfig, SpeculativeConfig
 from minipaged.common.sampling_params import RequestOutput
 from minipaged.common.sequence import Sequence
-from minipaged.common.stats import SpecDecodingStats, Stats
-from minipaged.models import CausalLM
+from minipaged.common.stats import SpecDecodingStats
 from minipaged.stage7_engine import Request
-from minipaged.stage10_model_runner import CachedRequestData, InputBatch, NewRequestData, V1ModelRunner
-from minipaged.stage10_v1_scheduler import SchedulerOutput, V1Engine, V1Scheduler, prompt_logprob_rows
+from minipaged.stage10_model_runner import InputBatch, V1ModelRunner
+from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler, prompt_logprob_requests
 from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
 
 
@@ -130,49 +128,32 @@ class SpecInputBatch(InputBatch):
         super().remove_request(req_id)
 
 
-class KeepHiddenStates:
-    """The model, keeping the last forward pass's hidden states for the verifier to read."""
-
-    def __init__(self, model: CausalLM) -> None:
-        self.model = model
-        self.hidden_states: torch.Tensor | None = None
-
-    def __call__(self, *args: Any) -> torch.Tensor:
-        self.hidden_states = self.model(*args)
-        return self.hidden_states
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
-
-
 class SpecDecodeModelRunner(V1ModelRunner):
     """Stage 10's runner; after its rows come the target's logits at the positions before each draft."""
 
-    def __init__(self, model: CausalLM, *args: Any, **kwargs: Any) -> None:
-        super().__init__(model, *args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         batch = self.input_batch
         self.input_batch = SpecInputBatch(*batch.token_ids.shape, batch.block_table.shape[1])
-        self.keep = KeepHiddenStates(model)
-        self.model = self.keep  # type: ignore[assignment]  # called as the model is
+        self.drafts: dict[Hashable, list[int]] = {}  # this step's, by request
 
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
-        """Stage 10's ``(req_ids, logits)``; then, for each request with ``d`` drafts (in the step's
-        order), the ``d`` rows of its last token and of every draft but the last (whose row is the
-        request's own, among the first ones)."""
-        spec = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
-        self.input_batch.drafts = spec  # type: ignore[attr-defined]
-        req_ids, logits = super().execute_model(out)
-        if not spec:
-            return req_ids, logits
-        ends = np.cumsum(list(out.num_scheduled_tokens.values()))  # (num_reqs,) one past each request's last token
+        """Stage 10's ``(req_ids, logits)``, the step's drafts written after their rows' tokens; the
+        rows after stage 10's come from ``extra_logits_indices``, in the same forward pass."""
+        self.drafts = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
+        self.input_batch.drafts = self.drafts  # type: ignore[attr-defined]
+        return super().execute_model(out)
+
+    def extra_logits_indices(self, out: SchedulerOutput, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Stage 10's extra rows; then, for each request with ``d`` drafts (in the step's order), the
+        ``d`` rows of its last token and of every draft but the last (whose row is the request's own,
+        among the first ones)."""
+        spec = self.drafts
         # BEGIN SOLUTION the flat index of the last token and of each draft but the last, request by request
         rows = [int(end) - 1 - len(spec[r]) + j for r, end in zip(out.num_scheduled_tokens, ends, strict=True)
                 if r in spec for j in range(len(spec[r]))]
         # END SOLUTION
-        assert self.keep.hidden_states is not None
-        with torch.inference_mode():
-            extra = self.keep.compute_logits(self.keep.hidden_states[torch.tensor(rows, device=self.device)]).float()
-        return req_ids, torch.cat([logits, extra])
+        return np.concatenate([super().extra_logits_indices(out, starts, ends), np.array(rows, dtype=np.int64)])
 
 
 class SpecDecodeEngine(V1Engine):
@@ -182,7 +163,7 @@ class SpecDecodeEngine(V1Engine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.proposer: NgramProposer | None = None  # given by the LLM: None, no drafts
+        self.proposer: NgramProposer | None = None  # None: no drafts; the LLM gives it one
         self.rejection_sampler = RejectionSampler(self.sampler.eos_token_ids, self.sampler.logprobs_mode)
         self.spec_stats = SpecDecodingStats()
 
@@ -204,7 +185,7 @@ class SpecDecodeEngine(V1Engine):
     def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
         """Stage 10's step; a request with drafts gets the tokens the rejection sampler keeps."""
         spec = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
-        prompt_rows = prompt_logprob_rows(out)
+        prompt_rows = prompt_logprob_requests(out)
         req_ids, logits = self.runner.execute_model(out)
         n, m = len(req_ids), sum(len(p) for _, p in prompt_rows)
         self.record_prompt_logprobs(prompt_rows, logits[n:n + m])
@@ -244,46 +225,3 @@ class SpecDecodeEngine(V1Engine):
         self.spec_stats.num_drafts += 1
         self.spec_stats.num_draft_tokens += len(drafts)
         self.spec_stats.num_accepted_tokens += kept.num_accepted
-
-
-class LLM(stage10_v1_scheduler.LLM):
-    """Stage 10's engine with speculative decoding: ``LLM(speculative_config={...})``."""
-
-    engine_class = SpecDecodeEngine
-    engine: SpecDecodeEngine  # type: ignore[assignment]
-    supported_features = stage10_v1_scheduler.LLM.supported_features | {"speculative_config"}
-
-    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
-        super().__init__(model, **kwargs)
-        spec = self.config.speculative_config
-        if isinstance(spec, SpeculativeConfig):
-            self.engine.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
-                                                 spec.prompt_lookup_min)
-
-    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
-        if config.async_scheduling:
-            raise ValueError("speculative decoding here schedules a step after the last one is verified: "
-                             "async_scheduling is refused with it")
-        return super().check_config(config)
-
-    def build_scheduler(self, block_manager: Any) -> SpecDecodeScheduler:  # type: ignore[override]
-        c = self.config
-        assert c.max_num_batched_tokens is not None
-        return SpecDecodeScheduler(stage10_v1_scheduler.KVCacheManager(block_manager),
-                                   max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-                                   max_model_len=c.max_model_len)
-
-    def build_runner(self) -> SpecDecodeModelRunner:  # type: ignore[override]
-        c = self.config
-        return SpecDecodeModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
-                                     self.attention_backend())
-
-    @property
-    def spec_decoding_stats(self) -> SpecDecodingStats:
-        """Drafts, draft tokens and accepted tokens since this ``LLM`` was made."""
-        return dataclasses.replace(self.engine.spec_stats)
-
-    @property
-    def stats(self) -> Stats:
-        """Stage 10's statistics, the drafts' beside them (``Stats.spec_decoding``)."""
-        return dataclasses.replace(super().stats, spec_decoding=self.spec_decoding_stats)

@@ -49,7 +49,7 @@ def _arrival(group: SequenceGroup) -> int:
 
 
 @dataclass
-class SchedulerOutput:
+class SchedulerOutputs:
     """One step: who runs and how many new tokens each computes, and the block moves to do first."""
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # a group's sequences together
@@ -144,7 +144,7 @@ class Scheduler:
     def _num_running_seqs(self) -> int:
         return sum(g.max_num_running_seqs() for g in self.running)
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
         self.running.remove(group)
         self._stats.num_preemptions += 1
         out.preempted.append(group)
@@ -165,7 +165,7 @@ class Scheduler:
             bisect.insort(self.waiting, group, key=_arrival)
         # END SOLUTION
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutputs:
         """Decide the next step, in three phases, as vLLM's scheduler sections them: the running
         groups (``_schedule_running``), then the swapped ones (``_schedule_swapped``), then the
         waiting ones (``_schedule_prefills``). The rules of each phase are in its docstring.
@@ -183,7 +183,7 @@ class Scheduler:
         sequences together; the order of the phases within ``scheduled`` is not a rule (the
         runner takes any order). Queues stay in arrival order.
         """
-        out = SchedulerOutput()
+        out = SchedulerOutputs()
         self.running = [g for g in self.running if not g.is_finished()]
         self._schedule_running(out)
         # BEGIN SOLUTION the budget left after the decodes; the watermark only if something runs
@@ -197,7 +197,7 @@ class Scheduler:
         self._stats.peak_blocks_used = max(self._stats.peak_blocks_used, used)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
+    def _schedule_running(self, out: SchedulerOutputs) -> None:
         """Phase 1: decode every running group, oldest first — one new slot (``append_slot``) for
         each of its running sequences, one token each. When ``can_append_slots`` says no, preempt
         the newest running group (the last of ``running``), possibly the one asking, until it says
@@ -228,7 +228,7 @@ class Scheduler:
                 i += 1
         # END SOLUTION
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int, num_seqs: int,
+    def _schedule_swapped(self, out: SchedulerOutputs, budget: int, num_seqs: int,
                           watermark: int) -> tuple[int, int, int]:
         """Phase 2, unless something was preempted in this step: swap in swapped groups, oldest
         first, stopping at the first that does not fit — ``can_swap_in`` with the watermark, the
@@ -260,7 +260,7 @@ class Scheduler:
         return budget, num_seqs, watermark
         # END SOLUTION
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int, num_seqs: int, watermark: int) -> None:
+    def _schedule_prefills(self, out: SchedulerOutputs, budget: int, num_seqs: int, watermark: int) -> None:
         """Phase 3, unless something was preempted in this step or anything waits in swap: admit
         waiting groups, oldest first, stopping at the first that does not fit — the blocks of its
         waiting sequences (``blocks_needed`` of each one's full length) plus the watermark must be
@@ -288,7 +288,7 @@ class Scheduler:
             num_seqs, watermark = num_seqs + group.max_num_running_seqs(), self.watermark_blocks
         # END SOLUTION
 
-    def _run(self, group: SequenceGroup, scheduled: list[tuple[Sequence, int]], out: SchedulerOutput) -> None:
+    def _run(self, group: SequenceGroup, scheduled: list[tuple[Sequence, int]], out: SchedulerOutputs) -> None:
         for seq, _ in scheduled:
             seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, group, key=_arrival)

@@ -21,18 +21,13 @@ log-probabilities (before temperature) of the tokens produced.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from tokenizers import Tokenizer
-from tqdm.auto import tqdm
 
-from minipaged.common.config import EngineConfig, ResolvedEngineConfig
 from minipaged.common.detokenizer import IncrementalDetokenizer
 from minipaged.common.processor import Processor, Prompt
 from minipaged.common.prompt_logprobs import fill_prompt_logprobs
@@ -45,23 +40,10 @@ from minipaged.common.sampling_params import (
     find_stop_string,
 )
 from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
-from minipaged.common.stats import EngineStats, Stats
-from minipaged.models import (
-    CausalLM,
-    load_config,
-    load_eos_token_ids,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-)
-from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
-from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
+from minipaged.common.stats import EngineStats
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutputs
 from minipaged.stage7_model_runner import (
-    ModelRunner,
     Runner,
-    backend_named,
-    determine_available_kv_memory,
     prompt_logprob_rows,
 )
 
@@ -172,7 +154,7 @@ class LLMEngine:
                 del self.requests[o.request_id]
         return outputs
 
-    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:
+    def execute_and_sample(self, out: SchedulerOutputs) -> list[Request]:
         """Run the step's forward pass, sample a token for every scheduled sequence, append it:
         the requests that progressed, in order."""
         groups = cast("list[Request]", out.scheduled_groups)  # the scheduler holds this engine's requests
@@ -205,11 +187,11 @@ class LLMEngine:
                                  request.seqs[0].prompt_token_ids, positions, k)
             at += len(positions)
 
-    def requests_touched(self, out: SchedulerOutput) -> list[Request]:
+    def requests_touched(self, out: SchedulerOutputs) -> list[Request]:
         """The requests a failed step may have left half done: the scheduled and the preempted."""
         return cast("list[Request]", out.scheduled_groups + out.preempted)
 
-    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:
+    def step_counts(self, out: SchedulerOutputs) -> tuple[int, int, int, int]:
         """The step's prefill tokens, decode tokens, and KV slots holding a token and held."""
         usage = self.scheduler.block_manager.usage()
         prefill = sum(n for _, n in out.scheduled if n > 1)
@@ -271,131 +253,3 @@ class LLMEngine:
             prompt_logprobs = list(request.prompt_logprobs or [None] * len(request.seqs[0].prompt_token_ids))
         return RequestOutput(request.request_id, request.prompt, request.seqs[0].prompt_token_ids[:], outputs, done,
                              prompt_logprobs)
-
-
-class LLM:
-    """A serving engine on a paged KV cache, over a local Hugging Face model (or ``"tiny"``).
-
-    Its arguments are ``EngineConfig``'s, checked before anything is loaded. It builds each
-    component once, by a method a higher stage may override to choose another: the block
-    manager, the scheduler, the runner, the engine.
-    """
-
-    engine_class: type[LLMEngine] = LLMEngine
-    supported_features: frozenset[str] = frozenset()  # of EngineConfig.optional_features: none here
-
-    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
-        config = EngineConfig(model=model, **kwargs)
-        path = resolve_model_path(model)
-        self.model_config = load_config(path)
-        self.dtype, self.device = config.torch_dtype, torch.device(config.device)
-        profiled = None
-        if config.profiles_kv_cache:  # the weights first: the cache takes what they and a step leave
-            profiled = load_model(path, self.dtype, self.device)[0]
-            config = dataclasses.replace(config, kv_cache_memory=self.profile_kv_cache_memory(profiled, config))
-        self.config = config = self.check_config(config.resolve(self.model_config))
-        self.max_model_len = config.max_model_len
-        self.scheduler = self.build_scheduler(self.build_block_manager())
-        self.model = profiled if profiled is not None else self.build_model(path)
-        self.tokenizer = load_tokenizer(path)
-        mc = self.model_config
-        self.cache = self.build_cache()
-        eos_ids = load_eos_token_ids(path)
-        self.engine = self.engine_class(self.scheduler, self.build_runner(), Sampler(eos_ids, config.logprobs_mode),
-                                        tokenizer=self.tokenizer, eos_token_ids=eos_ids,
-                                        vocab_size=mc.vocab_size, seed=config.seed, device=self.device)
-        self._request_ids = itertools.count()
-
-    def check_config(self, config: ResolvedEngineConfig) -> ResolvedEngineConfig:
-        """What this engine cannot serve, refused before anything is built: an option the configuration
-        turns on (``optional_features``) that this class does not list in ``supported_features``."""
-        missing = config.optional_features() - self.supported_features
-        if missing:
-            raise ValueError(f"{type(self).__module__}.{type(self).__name__} does not implement "
-                             f"{', '.join(sorted(missing))}")
-        return config
-
-    def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
-        """The bytes of K/V that ``gpu_memory_utilization`` leaves (``determine_available_kv_memory``),
-        profiled with the largest step: ``max_num_batched_tokens`` tokens (8192 by default, or the
-        model's positions), and the logits of ``max_num_seqs`` rows. ``ValueError`` if nothing is left."""
-        mc = self.model_config
-        num_tokens = config.max_num_batched_tokens or min(8192, mc.max_position_embeddings)
-        available = determine_available_kv_memory(model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                  config.block_size, num_tokens, min(config.max_num_seqs, num_tokens),
-                                                  config.gpu_memory_utilization,
-                                                  backend_named(config.attention_backend))
-        if available < config.block_size * mc.kv_bytes_per_token(self.dtype):
-            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the "
-                             f"KV cache after the weights and a step of {num_tokens} tokens")
-        return available
-
-    def build_model(self, path: Path) -> CausalLM:
-        """The model the runner calls: the checkpoint's, on this ``LLM``'s device and dtype."""
-        model, _ = load_model(path, self.dtype, self.device)
-        return model
-
-    def build_cache(self) -> SwapPagedKVCache:
-        """The paged K/V of every layer, with its CPU blocks for swapping."""
-        c, mc = self.config, self.model_config
-        return SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks, c.block_size, mc.num_kv_heads, mc.head_dim,
-                                self.dtype, self.device, c.num_cpu_blocks)
-
-    def build_block_manager(self) -> SwapBlockSpaceManager:
-        """The block manager the scheduler and the runner share, with a CPU pool for swapping."""
-        c = self.config
-        return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, self.build_cpu_pool())
-
-    def build_cpu_pool(self) -> RefCountedBlockAllocator | None:
-        """The CPU blocks that preempted sequences swap out to; None without swap space."""
-        return RefCountedBlockAllocator(self.config.num_cpu_blocks) if self.config.num_cpu_blocks else None
-
-    def build_scheduler(self, block_manager: SwapBlockSpaceManager) -> Scheduler:
-        c = self.config
-        return Scheduler(block_manager, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                         max_model_len=c.max_model_len, preemption_mode=c.preemption_mode)
-
-    def build_runner(self) -> ModelRunner:
-        return ModelRunner(self.model, self.cache, self.scheduler.block_manager, self.attention_backend())
-
-    def attention_backend(self) -> Callable[..., torch.Tensor]:
-        """Stage 4's reference, or stage 5's Triton kernels, as the configuration names it."""
-        return backend_named(self.config.attention_backend)
-
-    def next_request_id(self) -> int:
-        return next(self._request_ids)
-
-    @property
-    def stats(self) -> Stats:
-        """What the engine and the scheduler counted since this ``LLM`` was made."""
-        return Stats(engine=dataclasses.replace(self.engine.stats), scheduler=self.scheduler.make_stats())
-
-    def generate(self, prompts: Prompt | Iterable[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (strings or ``{"prompt_token_ids": [...]}``); outputs in prompt order."""
-        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        params = (sampling_params if isinstance(sampling_params, list)
-                  else [sampling_params or SamplingParams()] * len(prompts))
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        final = {id(p): dataclasses.replace(p, output_kind=FINAL_ONLY) if isinstance(p, SamplingParams) else p
-                 for p in params}  # as vLLM's LLM asks: no output of a request before it is done
-        params = [final[id(p)] for p in params]
-        ids, done = [], {}
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.next_request_id())
-                self.engine.add_request(ids[-1], prompt, p)
-            with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
-                while self.engine.has_unfinished_requests() and any(i not in done for i in ids):
-                    for output in self.engine.step():
-                        if output.finished:
-                            done[output.request_id] = output
-                            bar.update(1)
-        except BaseException:  # nothing of this call stays queued, every block goes back
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
-        return [done[i] for i in ids]
-

@@ -1,6 +1,6 @@
 """Stage 7 — the model runner and the sampler: one step's forward pass, and the tokens it gives.
 
-* ``ModelRunner`` — turns a ``SchedulerOutput`` into one forward pass: it applies the
+* ``ModelRunner`` — turns a ``SchedulerOutputs`` into one forward pass: it applies the
   step's block moves to the ``PagedKVCache``, flattens the new tokens of every scheduled
   sequence into one batch (prefills and decodes together), builds the slot mapping and
   block tables from the block manager, and runs the model, whose attention layers write
@@ -32,7 +32,7 @@ from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, CausalLM
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage4_reference_attention import check_attention_metadata, paged_attention_ref
-from minipaged.stage6_scheduler import SchedulerOutput
+from minipaged.stage6_scheduler import SchedulerOutputs
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
 
@@ -84,7 +84,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # END SOLUTION
 
 
-def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[PromptLogprobsRequest, range, int]]:
+def prompt_logprob_rows(out: SchedulerOutputs) -> list[tuple[PromptLogprobsRequest, range, int]]:
     """The requests of a step that asked for ``prompt_logprobs`` and compute prompt positions in
     it: ``(request, positions, index of the first position's token in the flat batch)``, in order.
 
@@ -158,7 +158,7 @@ def determine_available_kv_memory(model: CausalLM, num_layers: int, num_kv_heads
 class Runner(Protocol):
     """What the engine asks of a runner: ``ModelRunner``, or a stand-in without a model (``minipaged.perf``)."""
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor: ...
+    def execute(self, out: SchedulerOutputs) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -169,7 +169,7 @@ class ModelRunner:
         self.model, self.cache, self.block_manager, self.backend = model, cache, block_manager, backend
         self.device = cache.key_cache[0].device
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutputs) -> torch.Tensor:
         """Run one step: ``(num_seqs, vocab)`` float32 logits, one row per scheduled sequence, in order.
 
         First the block moves, in this order: swap out, swap in, copy-on-write copies — a copy's
@@ -203,7 +203,7 @@ class ModelRunner:
         return self.compute_logits(out, hidden, ends - 1)
         # END SOLUTION
 
-    def compute_logits(self, out: SchedulerOutput, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
+    def compute_logits(self, out: SchedulerOutputs, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
         """float32 logits of the flat tokens ``logits_indices`` (one per sequence), then of the prompt
         positions of the requests that ask for ``prompt_logprobs`` (``prompt_logprob_rows``)."""
         extra = [offset + p - positions.start for _, positions, offset in prompt_logprob_rows(out) for p in positions]

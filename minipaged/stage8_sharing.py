@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged import stage7_engine
 from minipaged.common.checks import check_int
 from minipaged.common.processor import Prompt
 from minipaged.common.sampler import compute_logprobs
@@ -195,28 +194,20 @@ class SharingEngine(LLMEngine):
             seq.cumulative_logprob = value
         return new_beams
 
-
-class LLM(stage7_engine.LLM):
-    """Stage 7's engine with parallel sampling (``n > 1``) and beam search on shared blocks."""
-
-    engine_class: type[LLMEngine] = SharingEngine
-    engine: SharingEngine
-
-    def beam_search(self, prompts: Prompt | Iterable[Prompt],
-                    params: BeamSearchParams | None = None) -> list[BeamSearchOutput]:
-        """Beam search for each prompt, served together; each output's beams best first."""
-        params = params or BeamSearchParams()
-        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        requests = []
+    def beam_search(self, prompts: list[Prompt], params: BeamSearchParams,
+                    request_ids: Iterable[Hashable]) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (with the request ids given), served together until all are done;
+        each output's beams best first. An exception or Ctrl-C aborts every one of them."""
+        requests: list[BeamRequest] = []
         try:
-            for prompt in prompts:
-                requests.append(self.engine.add_beam_request(self.next_request_id(), prompt, params))
-            while self.engine.has_unfinished_requests() and not all(r.is_finished() for r in requests):
-                self.engine.step()
+            for prompt, request_id in zip(prompts, request_ids):
+                requests.append(self.add_beam_request(request_id, prompt, params))
+            while self.has_unfinished_requests() and not all(r.is_finished() for r in requests):
+                self.step()
         except BaseException:
             for request in requests:
-                self.engine.abort_request(request.request_id)
+                self.abort_request(request.request_id)
             raise
         return [BeamSearchOutput(r.prompt, r.seqs[0].prompt_token_ids[:],
-                                 [BeamSearchSequence(tokens, logprob, score, self.engine.text(tokens))
+                                 [BeamSearchSequence(tokens, logprob, score, self.text(tokens))
                                   for score, logprob, tokens in r.hypotheses]) for r in requests]

@@ -43,7 +43,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from minipaged import stage8_sharing
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import Sequence as Seq
-from minipaged.common.stats import PrefixCacheStats, Stats
+from minipaged.common.stats import PrefixCacheStats
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage2_block_table import BlockTable
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
@@ -234,23 +234,3 @@ class PrefixCachingEngine(stage8_sharing.SharingEngine):
         request = super().make_request(request_id, text, ids, params, seed)
         skip_cache_reads_for_prompt_logprobs(self.scheduler.block_manager, request.seqs, params)
         return request
-
-
-class LLM(stage8_sharing.LLM):
-    """The whole engine: ``LLM(enable_prefix_caching=True)`` reuses cached prefixes."""
-
-    engine_class: type[stage8_sharing.LLMEngine] = PrefixCachingEngine
-
-    def build_block_manager(self) -> SwapBlockSpaceManager:
-        c = self.config
-        if not c.enable_prefix_caching:
-            return super().build_block_manager()
-        return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size,
-                                              self.build_cpu_pool())
-
-    @property
-    def stats(self) -> Stats:
-        allocator = self.scheduler.block_manager.allocator
-        if not isinstance(allocator, PrefixCachingAllocator):
-            return super().stats
-        return dataclasses.replace(super().stats, prefix_cache=allocator.make_stats())

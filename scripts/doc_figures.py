@@ -398,11 +398,11 @@ def token_budget():
     """Stage 10: one token budget per step; decodes first, then a long prompt in chunks."""
     import torch
 
+    from minipaged import LLM
     from minipaged.learn.viz import plot_token_budget
-    from minipaged.stage10_v1_scheduler import LLM
 
     torch.set_num_threads(1)
-    llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16)
+    llm = LLM("tiny", stage=10, block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("A", 5), ("B", 7)], 2: [("C", 40)], 3: [("D", 3)]}  # step: (request, prompt length)
     outputs, step = [], 0
@@ -440,8 +440,8 @@ def speculative_step():
     """Stage 12: a request's first step with drafts: two kept, the third rejected, the slots rolled back."""
     import torch
 
+    from minipaged import LLM
     from minipaged.learn.viz import plot_speculative_step
-    from minipaged.stage12_speculative import LLM
 
     torch.set_num_threads(1)
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

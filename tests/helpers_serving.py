@@ -19,7 +19,7 @@ class ThreadServer:
     """``build_app(llm, ...)`` served by uvicorn on a free loopback port, in a daemon thread."""
 
     def __init__(self, llm: LLM | None = None, **app_args) -> None:
-        self.llm = llm or LLM("tiny", num_gpu_blocks=96, max_model_len=256)
+        self.llm = llm or LLM("tiny", scheduler="v0", num_gpu_blocks=96, max_model_len=256)
         self.app = build_app(self.llm, **app_args)
         self.engine = self.app.state.engine
         sock = socket.socket()

@@ -2,7 +2,6 @@
 model; statistics objects that the components return and LLM.stats joins."""
 
 import dataclasses
-import importlib
 
 import pytest
 
@@ -34,7 +33,7 @@ def test_resolve_derives_what_depends_on_the_model():
     assert config.num_gpu_blocks == 10  # as many whole blocks as the memory holds
     assert config.max_model_len == min(TINY.max_position_embeddings, 10 * 16)
     assert config.num_cpu_blocks == 0  # no swap space without swapping
-    swap = EngineConfig(num_gpu_blocks=12, preemption_mode="swap").resolve(TINY)
+    swap = EngineConfig(num_gpu_blocks=12, scheduler="v0", preemption_mode="swap").resolve(TINY)
     assert swap.num_cpu_blocks == 12
     assert EngineConfig(num_gpu_blocks=12, num_cpu_blocks=3).resolve(TINY).num_cpu_blocks == 3
     assert EngineConfig(num_gpu_blocks=64, max_model_len=100).resolve(TINY).max_model_len == 100  # given, kept
@@ -89,22 +88,9 @@ def test_the_statistics_objects_compute_their_ratios():
     assert dataclasses.astuple(stats) == (2, 5, 4, 62, 80) and stats.kv_utilization == 62 / 80
 
 
-@pytest.mark.parametrize("cls", ["stage7_engine", "stage9_prefix_caching"])
-def test_async_scheduling_is_refused_below_stage_10_and_must_be_a_flag(cls):
-    from minipaged.stage10_v1_scheduler import LLM as V1LLM
-
-    with pytest.raises(ValueError, match="async_scheduling"):
-        importlib.import_module(f"minipaged.{cls}").LLM("tiny", async_scheduling=True)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        V1LLM("tiny", async_scheduling="yes")
-
-
-@pytest.mark.parametrize("cls", ["stage7_engine", "stage9_prefix_caching", "stage10_v1_scheduler"])
-def test_tensor_parallelism_is_refused_below_stage_11_before_any_weight_is_read(cls, monkeypatch):
-    module = importlib.import_module(f"minipaged.{cls}")
-    monkeypatch.setattr(module.LLM, "build_model", lambda self, path: pytest.fail("weights read"))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        module.LLM("tiny", tensor_parallel_size=2)
-    for bad in ({"tensor_parallel_size": 0}, {"tensor_parallel_size": 1.5}, {"distributed_executor_backend": "ray"}):
+def test_bad_values_of_the_options_that_choose_parts_are_refused():
+    for bad in ({"tensor_parallel_size": 0}, {"tensor_parallel_size": 1.5}, {"distributed_executor_backend": "ray"},
+                {"async_scheduling": "yes"}, {"enable_prefix_caching": 1}, {"scheduler": "v2"}, {"stage": 6},
+                {"stage": 13}, {"stage": 9.5}):
         with pytest.raises(ValueError):
             EngineConfig(**bad)

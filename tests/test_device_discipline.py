@@ -15,14 +15,13 @@ import torch
 from helpers_device import count_host_syncs, fake_cuda, fake_cuda_generator, fake_cuda_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
 
-from minipaged import stage10_v1_scheduler, stage12_speculative
+from minipaged import LLM
 from minipaged.common.prompt_logprobs import fill_prompt_logprobs
 from minipaged.common.sampler import Sampler, compute_logprobs
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.models import AttentionMetadata, ModelConfig, build_model
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage4_reference_attention import paged_attention_ref
-from minipaged.stage7_engine import LLM
 from minipaged.stage12_rejection_sampler import Context, RejectionSampler
 
 pytestmark = pytest.mark.device
@@ -63,9 +62,9 @@ def raised_at(error: BaseException) -> str:
 def test_a_decode_step_reads_the_device_once_and_never_inside_the_forward(front, backend):
     kwargs = dict(attention_backend=backend, num_gpu_blocks=64, block_size=4)
     if front == "stage7":
-        llm = LLM("tiny", **kwargs)
+        llm = LLM("tiny", stage=7, **kwargs)
     else:
-        llm = stage10_v1_scheduler.LLM("tiny", **kwargs, async_scheduling=front.endswith("async"))
+        llm = LLM("tiny", stage=10, **kwargs, async_scheduling=front.endswith("async"))
     engine = llm.engine
     for i, params in enumerate(EVERY_RULE[:4]):
         engine.add_request(i, {"prompt_token_ids": [5 + i, 6, 7, 8, 9][: 2 + i]},
@@ -79,7 +78,7 @@ def test_a_decode_step_reads_the_device_once_and_never_inside_the_forward(front,
 
 
 def test_logprobs_asked_for_cost_one_more_read_and_no_more():
-    llm = LLM("tiny", num_gpu_blocks=64, block_size=4)
+    llm = LLM("tiny", stage=7, num_gpu_blocks=64, block_size=4)
     llm.engine.add_request(0, "The cat", SamplingParams(max_tokens=8, logprobs=4, temperature=0.5, top_k=10))
     llm.engine.step()
     with count_host_syncs(llm.model) as count:
@@ -89,7 +88,7 @@ def test_logprobs_asked_for_cost_one_more_read_and_no_more():
 
 def test_the_counter_sees_a_sync_inside_the_forward(monkeypatch):
     """The rule bites: the value check that stage 2's write makes unless told the mapping is checked."""
-    llm = LLM("tiny", num_gpu_blocks=64, block_size=4)
+    llm = LLM("tiny", stage=7, num_gpu_blocks=64, block_size=4)
     write = PagedKVCache.write
     monkeypatch.setattr(PagedKVCache, "write", lambda self, *a, checked=False: write(self, *a, checked=False))
     llm.engine.add_request(0, "The cat", SamplingParams(max_tokens=4))
@@ -255,9 +254,9 @@ def test_the_rejection_sampler_builds_its_targets_on_cuda_and_stops_at_the_draw(
 def test_speculative_decoding_steps_are_counted_too():
     """A verification step reads the device once per position it decides (the rejection sampler's rule is
     sequential), never inside the forward."""
-    llm = stage12_speculative.LLM("tiny", num_gpu_blocks=64, block_size=4,
-                                  speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                      "prompt_lookup_max": 2})
+    llm = LLM("tiny", num_gpu_blocks=64, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                          "prompt_lookup_max": 2})
     llm.engine.add_request(0, {"prompt_token_ids": [5, 6, 5, 6, 5, 6, 5]}, SamplingParams(max_tokens=10))
     llm.engine.step()
     with count_host_syncs(llm.model) as count:
@@ -300,7 +299,7 @@ def test_a_whole_step_runs_on_cuda_from_the_schedulers_output_to_the_samplers_on
     from minipaged.stage7_model_runner import ModelRunner
     from minipaged.stage10_model_runner import V1ModelRunner
 
-    llm = (LLM if front == "stage7" else stage10_v1_scheduler.LLM)("tiny", num_gpu_blocks=32, block_size=4)
+    llm = LLM("tiny", stage=int(front.removeprefix("stage")), num_gpu_blocks=32, block_size=4)
     engine, mc = llm.engine, llm.model_config
     for i, params in enumerate(EVERY_RULE[:3]):
         engine.add_request(i, {"prompt_token_ids": [5 + i, 6, 7, 8, 9, 10][: 3 + i]}, params)

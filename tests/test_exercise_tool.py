@@ -56,8 +56,16 @@ def test_every_stage_has_its_tests_tutorial_and_docs_page():
         assert (REPO_DIR / "docs" / "stages" / f"{stage}_{topic}.md").exists(), f"no docs page for {main.name}"
         # the main file may be all given (stage 7's engine loop); the stage has something to write
         assert any(solution_regions(path.read_text(), str(path)) for path in paths), f"stage {stage}: no solution"
-        for path in paths[1:]:
-            assert solution_regions(path.read_text(), str(path)), f"{path.name} has no solution to write"
+        for path in paths[1:]:  # something to write, or only messages to read (stage 10's scheduler output)
+            assert solution_regions(path.read_text(), str(path)) or only_dataclasses(path), path.name
+
+
+def only_dataclasses(path: Path) -> bool:
+    """Whether every top-level class of a file is a dataclass and it defines no function of its own."""
+    tree = ast.parse(path.read_text())
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    return bool(classes) and not any(isinstance(n, ast.FunctionDef) for n in tree.body) and all(
+        any("dataclass" in ast.unparse(d) for d in c.decorator_list) for c in classes)
 
 
 def test_a_stage_of_two_files_names_its_main_file_first():
@@ -65,8 +73,8 @@ def test_a_stage_of_two_files_names_its_main_file_first():
     names = {stage: [path.name for path in paths] for stage, paths in stage_files().items()}
     assert names[6] == ["stage6_scheduler.py", "stage6_swapping.py"]
     assert names[7] == ["stage7_engine.py", "stage7_model_runner.py"]
-    assert names[10] == ["stage10_v1_scheduler.py", "stage10_async_scheduling.py",  # it imports the async file
-                         "stage10_model_runner.py"]  # lazily, inside LLM(): imports inside functions count too
+    assert names[10] == ["stage10_v1_scheduler.py",  # it imports the runner and the messages; async imports it
+                         "stage10_async_scheduling.py", "stage10_model_runner.py", "stage10_sched_output.py"]
     assert names[11] == ["stage11_tensor_parallel.py", "stage11_worker.py"]  # the driver imports its workers
     assert names[12] == ["stage12_speculative.py", "stage12_rejection_sampler.py"]  # the engine, its proposer
     assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10, 11, 12))

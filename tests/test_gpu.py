@@ -10,10 +10,9 @@ import torch
 import transformers
 from helpers_checkpoints import save_random_checkpoints
 
-from minipaged import stage10_v1_scheduler
+from minipaged import LLM
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import SamplingParams
-from minipaged.stage7_engine import LLM
 from minipaged.stage7_model_runner import sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.rounding_free,
@@ -57,9 +56,8 @@ def ours(llm):
 @pytest.mark.parametrize("front", ["stage7", "stage10"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_engine_equals_transformers_on_cuda_in_float32(checkpoints, arch, front, backend):
-    cls = LLM if front == "stage7" else stage10_v1_scheduler.LLM
-    llm = cls(str(checkpoints[arch]), device="cuda", dtype="float32", attention_backend=backend,
-              num_gpu_blocks=64, block_size=8)
+    llm = LLM(str(checkpoints[arch]), stage=int(front.removeprefix("stage")), device="cuda", dtype="float32",
+              attention_backend=backend, num_gpu_blocks=64, block_size=8)
     hf = hf_model(checkpoints[arch], torch.float32)
     assert ours(llm) == [hf_greedy(hf, p) for p in PROMPTS]
 
@@ -68,7 +66,7 @@ def test_the_engine_equals_transformers_on_cuda_in_float32(checkpoints, arch, fr
 def test_in_bfloat16_a_token_differs_only_where_the_two_best_are_within_rounding(checkpoints, arch):
     """Each engine rounds its logits to bfloat16's 8 bits: where float32 says two tokens are closer than
     one rounding of the largest logit on each side, either may win; nowhere else."""
-    llm = stage10_v1_scheduler.LLM(str(checkpoints[arch]), device="cuda", dtype="bfloat16",
+    llm = LLM(str(checkpoints[arch]), device="cuda", dtype="bfloat16",
                                    attention_backend="triton", num_gpu_blocks=64, block_size=8)
     hf32 = hf_model(checkpoints[arch], torch.float32)
     hf16 = hf_model(checkpoints[arch], torch.bfloat16)
@@ -98,7 +96,7 @@ def test_a_seed_draws_the_same_tokens_on_the_device_and_the_batch_equals_one_row
                   for i, p in enumerate(params)]
     assert batch == one_by_one
     assert batch == Sampler()(logits.clone(), [Row(p.seed) for p in params], params).token_ids
-    llm = stage10_v1_scheduler.LLM("tiny", device="cuda", attention_backend="triton", num_gpu_blocks=256)
+    llm = LLM("tiny", device="cuda", attention_backend="triton", num_gpu_blocks=256)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
     first = llm.generate(["The cat"], seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate(["The cat"], seeded, use_tqdm=False)[0].outputs[0].token_ids == first
@@ -107,7 +105,7 @@ def test_a_seed_draws_the_same_tokens_on_the_device_and_the_batch_equals_one_row
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_a_decode_step_waits_for_the_device_at_most_twice(backend):
     """CUDA's own count: torch warns at every synchronizing call (set_sync_debug_mode)."""
-    llm = stage10_v1_scheduler.LLM("tiny", device="cuda", attention_backend=backend, num_gpu_blocks=256)
+    llm = LLM("tiny", device="cuda", attention_backend=backend, num_gpu_blocks=256)
     for i in range(8):
         llm.engine.add_request(i, {"prompt_token_ids": [3 + i, 4, 5]}, SamplingParams(max_tokens=10, temperature=0.5))
     for _ in range(3):
@@ -126,17 +124,17 @@ def test_a_decode_step_waits_for_the_device_at_most_twice(backend):
 
 def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves():
     total = torch.cuda.mem_get_info()[1]
-    small = stage10_v1_scheduler.LLM("tiny", device="cuda", gpu_memory_utilization=0.05)
+    small = LLM("tiny", device="cuda", gpu_memory_utilization=0.05)
     key_cache = small.cache.key_cache
     per_block = 2 * len(key_cache) * key_cache[0][0].numel() * key_cache[0].element_size()  # K and V, every layer
     small_blocks = small.config.num_gpu_blocks
     assert 0 < small_blocks * per_block <= 0.05 * total
     del small, key_cache
     gc.collect()  # an engine's objects refer to one another: collected, its memory is free for the next
-    large = stage10_v1_scheduler.LLM("tiny", device="cuda", gpu_memory_utilization=0.10)
+    large = LLM("tiny", device="cuda", gpu_memory_utilization=0.10)
     assert large.config.num_gpu_blocks > 1.5 * small_blocks
     del large
-    fixed = stage10_v1_scheduler.LLM("tiny", device="cuda", num_gpu_blocks=64, gpu_memory_utilization=0.9)
+    fixed = LLM("tiny", device="cuda", num_gpu_blocks=64, gpu_memory_utilization=0.9)
     assert fixed.config.num_gpu_blocks == 64  # an explicit size wins, as vLLM's num_gpu_blocks_override does
 
 
@@ -145,7 +143,7 @@ def test_the_server_answers_on_cuda():
 
     from minipaged.serving.app import build_app
 
-    llm = stage10_v1_scheduler.LLM("tiny", device="cuda", attention_backend="triton", num_gpu_blocks=256)
+    llm = LLM("tiny", device="cuda", attention_backend="triton", num_gpu_blocks=256)
     expected = llm.generate(["The cat"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0]
     with TestClient(build_app(llm)) as client:
         reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "The cat", "max_tokens": 8,

@@ -13,13 +13,17 @@ import shutil
 import socket
 import threading
 import time
+from functools import partial
 
 import httpx
 import pytest
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged import SamplingParams
 from minipaged.serving.engine_client import snapshot
 from minipaged.serving.live_page import PAGE
+
+LLM = partial(_LLM, scheduler="v0")  # V0's scheduler (stage 6): n > 1, beams and swap, as this file serves them
 
 pytestmark = pytest.mark.serving
 

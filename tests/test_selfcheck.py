@@ -488,9 +488,9 @@ def test_stage6_a_full_swap_space_falls_back_to_recompute():
 
 @pytest.fixture(scope="module")
 def stage7_llm():
-    from minipaged.stage7_engine import LLM
+    from minipaged import LLM
 
-    return LLM(model="tiny", num_gpu_blocks=64, seed=0)
+    return LLM(model="tiny", stage=7, num_gpu_blocks=64, seed=0)
 
 
 def test_stage7_kv_bytes_of_the_tiny_model(stage7_llm):
@@ -526,13 +526,12 @@ def test_stage7_worst_case_blocks_of_a_request():
 
 def test_stage8_shared_samples_hold_fewer_blocks():
     from minipaged import LLM
-    from minipaged.stage7_engine import LLM as UnsharedLLM
 
     params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(5, 45))}]  # 40 tokens
-    shared = LLM(model="tiny", num_gpu_blocks=64)
+    shared = LLM(model="tiny", stage=8, num_gpu_blocks=64)
     shared.generate(prompt, params, use_tqdm=False)
-    unshared = UnsharedLLM(model="tiny", num_gpu_blocks=64)
+    unshared = LLM(model="tiny", stage=7, num_gpu_blocks=64)
     unshared.generate(prompt, params, use_tqdm=False)
     check(8, 0, shared.stats.peak_blocks_used, unshared.stats.peak_blocks_used,
           shared.stats.prefill_tokens, unshared.stats.prefill_tokens)
@@ -610,13 +609,12 @@ def test_stage3_text_shared_system_prompt():
 
 def test_stage8_text_parallel_sampling_table():
     from minipaged import LLM
-    from minipaged.stage7_engine import LLM as UnsharedLLM
 
     params = SamplingParams(n=4, max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(5, 39))}]  # 34 tokens
     rows = []
-    for cls in (LLM, UnsharedLLM):
-        llm = cls(model="tiny", num_gpu_blocks=64)
+    for stage in (8, 7):  # shared, then unshared
+        llm = LLM(model="tiny", stage=stage, num_gpu_blocks=64)
         llm.generate(prompt, params, use_tqdm=False)
         rows.append((llm.stats.peak_blocks_used, llm.stats.prefill_tokens))
     text = PAGES[8].read_text(encoding="utf-8")
@@ -634,7 +632,7 @@ def test_stage9_text_shared_system_prompt():
     params = SamplingParams(max_tokens=16, temperature=0.0)
     stats = {}
     for caching in (False, True):
-        llm = LLM("tiny", num_gpu_blocks=128, block_size=16, enable_prefix_caching=caching)
+        llm = LLM("tiny", stage=9, num_gpu_blocks=128, block_size=16, enable_prefix_caching=caching)
         llm.generate([system + "Return the number of"], params, use_tqdm=False)
         llm.generate([system + q for q in questions], params, use_tqdm=False)
         stats[caching] = llm.stats
@@ -750,7 +748,7 @@ def test_stage10_the_newest_running_request_is_preempted():
 
 
 def test_stage10_async_scheduling_computes_one_token_more_when_a_stop_token_comes():
-    from minipaged.stage10_v1_scheduler import LLM
+    from minipaged import LLM
 
     prompt = {"prompt_token_ids": [11, 12, 13]}
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -807,9 +805,9 @@ def test_stage11_page_ends_with_a_self_check_and_an_interview_answer():
 
 def test_stage11_the_bytes_a_rank_all_reduces_are_the_formulas():
     """Measured on the workers (tp 2), step by step, and equal to the formula."""
-    from minipaged.stage11_tensor_parallel import LLM
+    from minipaged import LLM
 
-    with LLM("tiny", tensor_parallel_size=2, num_gpu_blocks=16) as llm:
+    with LLM("tiny", stage=11, tensor_parallel_size=2, num_gpu_blocks=16) as llm:
         counts = [llm.executor.collective_rpc("count_all_reduce_bytes")]
         llm.engine.add_request("r", {"prompt_token_ids": list(range(5, 15))},
                                SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -888,7 +886,7 @@ def test_stage12_page_ends_with_a_self_check_and_an_interview_answer():
 
 def test_stage12_the_step_in_the_figure():
     """The figure's step (scripts/doc_figures.py draws the same one): the first step with drafts."""
-    from minipaged.stage12_speculative import LLM
+    from minipaged import LLM
 
     llm = LLM("tiny", block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
     engine = llm.engine
@@ -902,14 +900,14 @@ def test_stage12_the_step_in_the_figure():
         drafts = engine.last_scheduler_output.scheduled_spec_decode_tokens.get("A")
     out = engine.last_scheduler_output
     kept = seq.token_ids[before:]
-    accepted = llm.spec_decoding_stats.num_accepted_tokens
+    accepted = llm.stats.spec_decoding.num_accepted_tokens
     assert before == 12 and len(drafts) == 4 and kept[:accepted] == drafts[:accepted]
     rolled_back = llm.scheduler.block_manager.table(seq.seq_id).num_tokens - seq.num_computed_tokens
     check12(0, out.num_scheduled_tokens["A"], len(kept), rolled_back, seq.num_computed_tokens)
 
 
 def test_stage12_drafts_are_cut_to_the_budget_left():
-    from minipaged.stage12_speculative import LLM
+    from minipaged import LLM
 
     class FourDrafts:
         def propose(self, token_ids):

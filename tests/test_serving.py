@@ -3,13 +3,17 @@
 import json
 import shutil
 import time
+from functools import partial
 
 import httpx
 import openai
 import pytest
 from helpers_serving import ThreadServer, metric, metric_samples, sse_events
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged import SamplingParams
+
+LLM = partial(_LLM, scheduler="v0")  # V0's scheduler (stage 6): n > 1, beams and swap, as this file serves them
 
 pytestmark = pytest.mark.serving
 

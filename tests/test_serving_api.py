@@ -5,6 +5,7 @@ import json
 import shutil
 import threading
 import time
+from functools import partial
 
 import helpers_tolerances as tolerances
 import httpx
@@ -12,7 +13,10 @@ import openai
 import pytest
 from helpers_serving import ThreadServer, metric, metric_samples, metric_types, sse_events
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged import SamplingParams
+
+LLM = partial(_LLM, scheduler="v0")  # V0's scheduler (stage 6): n > 1, beams and swap, as this file serves them
 
 pytestmark = pytest.mark.serving
 

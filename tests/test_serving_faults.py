@@ -4,6 +4,7 @@ streamed text with stop strings joins to the non-streamed text; /health tells th
 import socket
 import threading
 import time
+from functools import partial
 
 import httpx
 import pytest
@@ -11,8 +12,11 @@ from helpers_serving import ThreadServer, metric, metric_samples, sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged import SamplingParams
 from minipaged.serving.protocol import ChoiceText
+
+LLM = partial(_LLM, scheduler="v0")  # V0's scheduler (stage 6): n > 1, beams and swap, as this file serves them
 
 pytestmark = pytest.mark.serving
 

@@ -1,12 +1,16 @@
 """SamplingParams with vLLM's rules, and the logits processors checked against hand computations."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged import SamplingParams
 from minipaged.common.logits_processors import apply_logits_processors, process_row
+
+LLM = partial(_LLM, scheduler="v0")  # V0's scheduler (stage 6): n > 1, beams and swap, as this file serves them
 
 pytestmark = pytest.mark.serving
 

@@ -4,6 +4,7 @@
 logprobs equal the engine's and transformers'; ``--logprobs-mode`` chooses raw or processed logprobs."""
 
 import math
+from functools import partial
 
 import helpers_tolerances as tolerances
 import httpx
@@ -14,12 +15,14 @@ from helpers_serving import ThreadServer, sse_events
 from openai.types.completion_choice import Logprobs
 
 import minipaged.serving.server
-from minipaged import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged import SamplingParams
 from minipaged.cli import LOGPROBS_MODES, main
 from minipaged.common.config import LOGPROBS_MODES as ENGINE_LOGPROBS_MODES
 from minipaged.models import TINY_MODEL_DIR
 from minipaged.serving.launcher import free_port
-from minipaged.stage10_v1_scheduler import LLM as V1LLM
+
+LLM = partial(_LLM, scheduler="v0")  # V0's scheduler (stage 6): n > 1, beams and swap, as this file serves them
 
 pytestmark = pytest.mark.serving
 
@@ -256,7 +259,7 @@ def test_logprobs_are_the_models_by_default_and_processed_with_the_mode(url, ser
 
 
 def test_the_v1_engine_scores_prompts_in_chunks_as_the_v0_engine_does(url, served):
-    server = ThreadServer(V1LLM("tiny", **ENGINE_ARGS, max_num_batched_tokens=8, enable_prefix_caching=True))
+    server = ThreadServer(_LLM("tiny", **ENGINE_ARGS, max_num_batched_tokens=8, enable_prefix_caching=True))
     try:
         prompt = "If the file does not exist, raise an error and return the default value of the option"
         body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}

@@ -1,12 +1,16 @@
 """Stage 10, async scheduling: step N + 1 scheduled while step N runs gives synchronous stepping's outputs."""
 
 import random
+from functools import partial
 
 import pytest
 from test_stage10_v1_scheduler import assert_same, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
+from minipaged import LLM as _LLM
 from minipaged.stage7_engine import SamplingParams
-from minipaged.stage10_v1_scheduler import LLM
+
+LLM = partial(_LLM, stage=10)  # the engine as of stage 10
+
 
 pytestmark = pytest.mark.stage10
 

@@ -2,6 +2,7 @@
 checked against stage 9, token for token, for any budget."""
 
 import random
+from functools import partial
 
 import helpers_tolerances as tolerances
 import pytest
@@ -9,10 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minipaged import LLM as _LLM
 from minipaged.stage7_engine import Request, SampledSequence, SamplingParams
-from minipaged.stage9_prefix_caching import LLM as Stage9LLM
 from minipaged.stage9_prefix_caching import PrefixCachingAllocator, PrefixCachingBlockSpaceManager
-from minipaged.stage10_v1_scheduler import LLM, KVCacheManager, V1Scheduler
+from minipaged.stage10_v1_scheduler import KVCacheManager, V1Scheduler
+
+LLM, Stage9LLM = partial(_LLM, stage=10), partial(_LLM, stage=9)  # the engines as of stages 10 and 9
 
 pytestmark = pytest.mark.stage10
 
@@ -275,11 +278,10 @@ def test_a_chunked_prefill_writes_the_same_kv_and_logits_as_a_whole_one():
 def test_prompt_logprobs_come_chunk_by_chunk_equal_to_stage_7s_and_read_no_cached_block(async_scheduling):
     """Any budget: each chunk's positions give their rows, and together they are stage 7's whole
     prompt (which stage 7's tests hold equal to transformers'). A cached prefix is not read."""
-    from minipaged.stage7_engine import LLM as Stage7LLM
 
     prompts = [tokens(12, 45), tokens(13, 9), tokens(12, 30) + tokens(14, 5)]  # the third shares 28 tokens
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
-    whole = Stage7LLM("tiny").generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    whole = _LLM("tiny", stage=7).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tol = tolerances.logprobs(LLM("tiny").model_config, 45)
     for budget in (1, 7, 4096):
         llm = LLM("tiny", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=budget,

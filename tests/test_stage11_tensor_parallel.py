@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import helpers_tolerances as tolerances
 import httpx
@@ -15,10 +16,14 @@ import pytest
 import torch
 from helpers_checkpoints import save_random_checkpoints
 
+from minipaged import LLM as _LLM
 from minipaged.common.sampling_params import SamplingParams
-from minipaged.stage9_prefix_caching import LLM as V0OneProcess
-from minipaged.stage10_v1_scheduler import LLM as OneProcess
-from minipaged.stage11_tensor_parallel import LLM, V0LLM, WorkerDiedError
+from minipaged.stage11_tensor_parallel import WorkerDiedError
+
+LLM = partial(_LLM, stage=11)  # the engine as of stage 11: V1's scheduler, tensor parallel
+OneProcess = partial(_LLM, stage=10)  # the engine as of stage 10, in this process
+
+V0LLM = V0OneProcess = partial(_LLM, stage=11, scheduler="v0")  # with V0's
 
 pytestmark = pytest.mark.stage11
 
@@ -244,8 +249,8 @@ def test_no_worker_outlives_its_llm_close_with_block_or_interpreter_exit():
         procs = list(llm.executor.procs)
         assert_same(generate(llm), generate(OneProcess("tiny")), llm)
     assert all(not p.is_alive() for p in procs)
-    script = ("from minipaged.stage11_tensor_parallel import LLM\n"
-              "llm = LLM('tiny', tensor_parallel_size=2)\n"
+    script = ("from minipaged import LLM\n"
+              "llm = LLM('tiny', stage=11, tensor_parallel_size=2)\n"
               "print(*[p.pid for p in llm.executor.procs])\n")  # and exit without closing it
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     pids = [int(p) for p in out.stdout.split()]
@@ -261,7 +266,7 @@ def test_the_same_worker_code_runs_under_torchrun():
     environment, on loopback; rank 0 runs the engine and prints the tokens."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun is not None
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipaged.stage11_tensor_parallel",
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipaged.llm",
            "--prompt-token-ids", json.dumps(PROMPTS), "--max-tokens", "8", "--num-gpu-blocks", "64"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)

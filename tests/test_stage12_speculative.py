@@ -3,6 +3,7 @@ drawn from the same distribution, drafts inside the token budget and the free bl
 a rejected draft left where it could be read."""
 
 import random
+from functools import partial
 
 import helpers_tolerances as tolerances
 import pytest
@@ -11,11 +12,12 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
+from minipaged import LLM
 from minipaged.common.sampling_params import SamplingParams
 from minipaged.stage9_prefix_caching import ROOT, block_hash
-from minipaged.stage10_v1_scheduler import LLM as Stage10LLM
 from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
-from minipaged.stage12_speculative import LLM
+
+Stage10LLM = partial(LLM, stage=10)  # the engine as of stage 10: no drafts
 
 pytestmark = pytest.mark.stage12
 
@@ -148,7 +150,7 @@ def test_greedy_outputs_equal_stage_10s_for_any_budget_and_cache(budget, blocks)
     expected = run(Stage10LLM("tiny", **kwargs), prompts(), params)
     llm = LLM("tiny", speculative_config=NGRAM, **kwargs)
     assert_same(run(llm, prompts(), params), expected, llm)
-    stats = llm.spec_decoding_stats
+    stats = llm.stats.spec_decoding
     assert llm.stats.spec_decoding == stats and llm.stats.as_dict()["spec_decode_num_drafts"] == stats.num_drafts
     if budget == 1:  # no room for a draft beside the last token: plain decoding
         assert stats.num_drafts == 0
@@ -216,7 +218,7 @@ def test_sampled_tokens_follow_stage_10s_distribution():
     plain = run(Stage10LLM("tiny", **kwargs), [prompt] * n, params)
     llm = LLM("tiny", speculative_config=NGRAM, **kwargs)
     spec = run(llm, [prompt] * n, params)
-    stats = llm.spec_decoding_stats
+    stats = llm.stats.spec_decoding
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0  # drafts kept, and rejected too
     for position in (1, 2, 3):
         tokens = sorted({o.outputs[0].token_ids[position] for o in plain + spec})
@@ -244,7 +246,7 @@ def test_seeded_sampling_with_drafts_repeats_itself():
     llm = LLM("tiny", speculative_config=NGRAM)
     first = [o.outputs[0].token_ids for o in run(llm, [REPEATS * 4] * 3, params)]
     again = [o.outputs[0].token_ids for o in run(llm, [REPEATS * 4] * 3, params)]
-    assert first == again and llm.spec_decoding_stats.num_drafts > 0
+    assert first == again and llm.stats.spec_decoding.num_drafts > 0
 
 
 def test_a_request_with_drafts_takes_one_plus_its_drafts_of_the_budget_and_never_more():
@@ -294,9 +296,9 @@ def test_after_a_step_the_rejected_drafts_are_rolled_back_and_never_named_by_the
                                                                          ignore_eos=True))
     seq, rejected = engine.requests["r"].seqs[0], 0
     while "r" in engine.requests and not engine.requests["r"].is_finished():
-        before = llm.spec_decoding_stats
+        before = llm.stats.spec_decoding
         engine.step()
-        after = llm.spec_decoding_stats
+        after = llm.stats.spec_decoding
         rejected += (after.num_draft_tokens - before.num_draft_tokens) - (after.num_accepted_tokens
                                                                           - before.num_accepted_tokens)
         if seq.finish_reason is None:  # the verified tokens are computed, all but the last
@@ -323,7 +325,7 @@ def test_speculative_config_is_checked_and_refused_below_stage_12():
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm = LLM("tiny", speculative_config=lookup)
     assert_same(run(llm, prompts(), params), run(Stage10LLM("tiny"), prompts(), params), llm)
-    assert llm.spec_decoding_stats.num_drafts > 0
+    assert llm.stats.spec_decoding.num_drafts > 0
 
 
 @pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])

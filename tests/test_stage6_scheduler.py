@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutputs
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
 
 pytestmark = pytest.mark.stage6
@@ -178,7 +178,7 @@ def fork_running(scheduler, parent, width):
 
 def preempt(scheduler, group):
     """Force a running group out, as the scheduler does when memory runs out."""
-    out = SchedulerOutput()
+    out = SchedulerOutputs()
     scheduler._preempt(group, out)
     return out
 

@@ -2,14 +2,18 @@
 
 import dataclasses
 import json
+from functools import partial
 
 import helpers_tolerances as tolerances
 import pytest
 import torch
 import transformers
 
-from minipaged.stage7_engine import LLM, SamplingParams
+from minipaged import LLM as _LLM
+from minipaged.stage7_engine import SamplingParams
 from minipaged.stage7_model_runner import process_logits, sample
+
+LLM = partial(_LLM, stage=7)  # the engine as of stage 7
 
 pytestmark = pytest.mark.stage7
 
@@ -383,7 +387,7 @@ def test_block_moves_run_before_the_copy_on_write_copies(moved):
     swap-out in this step has just freed. Swap-outs and swap-ins first, the copies after them."""
     from minipaged.common.sequence import Sequence, SequenceGroup, SequenceStatus
     from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-    from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+    from minipaged.stage6_scheduler import Scheduler, SchedulerOutputs
     from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
     from minipaged.stage7_model_runner import ModelRunner
 
@@ -408,7 +412,7 @@ def test_block_moves_run_before_the_copy_on_write_copies(moved):
     manager.fork(x.seq_id, child.seq_id)
     group.seqs.append(child)
     if moved == "swap-in":  # x's group goes out and comes back; its GPU blocks are reused meanwhile
-        gone = SchedulerOutput()
+        gone = SchedulerOutputs()
         scheduler._preempt(group, gone)
         cache.swap_out(gone.blocks_to_swap_out)
         cache.key_cache[0].fill_(float("nan"))

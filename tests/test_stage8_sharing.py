@@ -1,14 +1,19 @@
 """Stage 8: parallel sampling and beam search on shared blocks, checked against transformers
 and against the same work without sharing."""
 
+from functools import partial
+
 import helpers_tolerances as tolerances
 import pytest
 import torch
 import transformers
 
-from minipaged.stage7_engine import LLM as UnsharedLLM
+from minipaged import LLM as _LLM
 from minipaged.stage7_engine import SamplingParams
-from minipaged.stage8_sharing import LLM, BeamSearchParams
+from minipaged.stage8_sharing import BeamSearchParams
+
+LLM, UnsharedLLM = partial(_LLM, stage=8), partial(_LLM, stage=7)  # the engines as of stages 8 and 7
+
 
 pytestmark = pytest.mark.stage8
 

@@ -1,6 +1,7 @@
 """Stage 9: automatic prefix caching, checked against the same engine without caching."""
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -8,18 +9,19 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from minipaged import LLM as _LLM
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage3_copy_on_write import CowPagedKVCache
 from minipaged.stage7_engine import SamplingParams
-from minipaged.stage8_sharing import LLM as UncachedLLM
 from minipaged.stage8_sharing import BeamSearchParams
 from minipaged.stage9_prefix_caching import (
-    LLM,
     ROOT,
     PrefixCachingAllocator,
     PrefixCachingBlockSpaceManager,
     block_hash,
 )
+
+LLM, UncachedLLM = partial(_LLM, stage=9), partial(_LLM, stage=8)  # the engines as of stages 9 and 8
 
 pytestmark = pytest.mark.stage9
 

@@ -11,6 +11,7 @@ they need from it; none of them reads an argument of ``LLM`` itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -19,6 +20,9 @@ from minipaged.common.checks import check_choice, check_float, check_int
 from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULERS = ("v0", "v1")  # the paper's (stage 6), or vLLM V1's (stage 10)
+FIRST_STAGE, LAST_STAGE = 7, 12  # the ladder's engines: stage 7 serves text, stage 12 is the top
+V1_MAX_NUM_BATCHED_TOKENS = 2048  # V1's token budget per step when none is given
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
 DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU, or when the device's memory is not profiled
@@ -76,8 +80,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = False
-    async_scheduling: bool = False  # schedule step N + 1 while step N runs (stage 10 only)
+    enable_prefix_caching: bool | None = None  # None: on under V1 (as in vLLM V1), off under V0
+    scheduler: str | None = None  # "v0" or "v1"; None: V1 from stage 10 on, else V0
+    async_scheduling: bool = False  # schedule step N + 1 while step N runs (V1)
     attention_backend: str = "ref"
     logprobs_mode: str = "raw_logprobs"  # what a sampled token's logprobs are: see Sampler
     tensor_parallel_size: int = 1  # workers that each hold a shard of the model (stage 11)
@@ -86,6 +91,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
+    stage: int = LAST_STAGE  # the engine as of this stage of the ladder: its parts, and what it offers
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
@@ -105,6 +111,14 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.distributed_executor_backend is not None:
             check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+        check_int("stage", self.stage, FIRST_STAGE)
+        if self.stage > LAST_STAGE:
+            raise ValueError(f"stage must be {FIRST_STAGE}..{LAST_STAGE}, got {self.stage}")
+        if self.scheduler is None:
+            object.__setattr__(self, "scheduler", "v1" if self.stage >= 10 else "v0")
+        check_choice("scheduler", self.scheduler, SCHEDULERS)
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", self.scheduler == "v1")
         for flag in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -115,6 +129,11 @@ class EngineConfig:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device: {e}") from None
+        if self.scheduler == "v1" and self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", V1_MAX_NUM_BATCHED_TOKENS)
+        refused = [reason for rule, reason in COMBINATIONS_REFUSED if rule(self)]
+        if refused:
+            raise ValueError("; ".join(refused))
 
     def resolve(self, model_config: ModelConfig) -> ResolvedEngineConfig:
         """The same configuration with every ``None`` derived from ``model_config``; ``ValueError``
@@ -136,13 +155,6 @@ class EngineConfig:
         return ResolvedEngineConfig(**{**vars(self), "num_gpu_blocks": num_gpu_blocks, "max_model_len": max_model_len,
                                        "num_cpu_blocks": num_cpu_blocks})
 
-    def optional_features(self) -> frozenset[str]:
-        """The options this configuration turns on that not every engine implements, by field name: an
-        ``LLM`` lists those it implements (``supported_features``) and refuses the others."""
-        enabled = {"async_scheduling": self.async_scheduling, "tensor_parallel_size": self.tensor_parallel_size != 1,
-                   "speculative_config": self.speculative_config is not None}
-        return frozenset(name for name, on in enabled.items() if on)
-
     @property
     def profiles_kv_cache(self) -> bool:
         """Whether the cache is sized by what ``gpu_memory_utilization`` leaves: on CUDA, in one process,
@@ -163,3 +175,27 @@ class ResolvedEngineConfig(EngineConfig):
     num_gpu_blocks: int = field(kw_only=True)
     num_cpu_blocks: int = field(kw_only=True)
     max_model_len: int = field(kw_only=True)
+
+
+# What an engine can be built of, in one table: every configuration these rules leave works (the
+# combinations tests/test_engine_combinations.py runs, row by row), and each one here is refused
+# where the configuration is made, with its reason, before any weight is read. A stage's option
+# needs the stage (``stage``, the engine as of a stage of the ladder).
+COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
+    (lambda c: bool(c.enable_prefix_caching) and c.stage < 9, "enable_prefix_caching needs stage >= 9"),
+    (lambda c: c.scheduler == "v1" and c.stage < 10, "scheduler='v1' needs stage >= 10"),
+    (lambda c: c.async_scheduling and c.stage < 10, "async_scheduling needs stage >= 10"),
+    (lambda c: c.tensor_parallel_size > 1 and c.stage < 11, "tensor_parallel_size > 1 needs stage >= 11"),
+    (lambda c: c.speculative_config is not None and c.stage < 12, "speculative_config needs stage >= 12"),
+    (lambda c: c.scheduler == "v1" and c.preemption_mode == "swap",
+     "V1 preempts by recompute only, as vLLM V1 does: preemption_mode='swap' needs scheduler='v0'"),
+    (lambda c: c.scheduler == "v0" and c.async_scheduling,
+     "async_scheduling overlaps V1's steps: it needs scheduler='v1'"),
+    (lambda c: c.scheduler == "v0" and c.speculative_config is not None,
+     "drafts are scheduled and verified by V1's scheduler and runner: speculative_config needs scheduler='v1'"),
+    (lambda c: c.async_scheduling and c.speculative_config is not None,
+     "a step with drafts is scheduled after the last one is verified: async_scheduling with speculative_config"),
+    (lambda c: c.async_scheduling and c.tensor_parallel_size > 1,
+     "the executor carries one step at a time and the async worker would wait on it: "
+     "async_scheduling with tensor_parallel_size > 1"),
+]

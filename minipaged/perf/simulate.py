@@ -22,7 +22,7 @@ from minipaged.stage0_contiguous import ContiguousKVCache
 from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import BlockSpaceManager
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
-from minipaged.stage6_scheduler import Scheduler, SchedulerOutput
+from minipaged.stage6_scheduler import Scheduler, SchedulerOutputs
 from minipaged.stage6_swapping import SwapBlockSpaceManager
 from minipaged.stage7_engine import LLMEngine, SamplingParams
 from minipaged.stage7_model_runner import Sampler
@@ -37,7 +37,7 @@ OPT_13B_SLOTS = OPT_13B_KV_BUDGET // OPT_13B_KV_BYTES_PER_TOKEN  # 15,728 token 
 
 
 @dataclass(frozen=True)
-class Request:
+class TraceRequest:
     """One request of a trace: when it arrives, and how long its prompt and output are."""
 
     request_id: int
@@ -54,7 +54,7 @@ def synthetic_requests(
     max_len: int = 2048,
     rate: float = 0.1,
     seed: int = 0,
-) -> list[Request]:
+) -> list[TraceRequest]:
     """A seeded trace: Poisson arrivals (``rate`` per step), log-normal lengths.
 
     Lengths are log-normal with sigma 1 and the given means (the defaults are the
@@ -71,7 +71,7 @@ def synthetic_requests(
         clock += rng.expovariate(rate)
         prompt = min(draw(mean_prompt), max_len - 1)
         output = min(draw(mean_output), max_len - prompt)
-        requests.append(Request(i, int(clock), prompt, output))
+        requests.append(TraceRequest(i, int(clock), prompt, output))
     return requests
 
 
@@ -110,7 +110,7 @@ def _result(policy: str, totals: dict, steps: int, preemptions: int = 0) -> Simu
 
 
 def simulate_contiguous(
-    requests: list[Request], policy: str, num_slots: int, max_model_len: int
+    requests: list[TraceRequest], policy: str, num_slots: int, max_model_len: int
 ) -> SimulationResult:
     """Serve ``requests`` first come, first served with stage 0's cache; average its usage.
 
@@ -124,8 +124,8 @@ def simulate_contiguous(
         if cache.reservation(r.prompt_len, r.output_len) > num_slots:
             raise ValueError(f"request {r.request_id} can never fit an arena of {num_slots} slots")
     pending = deque(sorted(requests, key=lambda r: r.arrival))
-    waiting: deque[Request] = deque()
-    running: list[Request] = []
+    waiting: deque[TraceRequest] = deque()
+    running: list[TraceRequest] = []
     totals: dict = {}
     step = 0
     while pending or waiting or running:
@@ -159,7 +159,7 @@ class SimulatedRunner:
 
     vocab_size = 2
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutputs) -> torch.Tensor:
         return torch.zeros(len(out.scheduled), self.vocab_size)
 
 
@@ -174,7 +174,7 @@ def simulated_engine(num_blocks: int, block_size: int, max_model_len: int, *, pr
     return LLMEngine(scheduler, SimulatedRunner(), Sampler(), vocab_size=SimulatedRunner.vocab_size)
 
 
-def simulate_paged(requests: list[Request], num_blocks: int, block_size: int = 16, *,
+def simulate_paged(requests: list[TraceRequest], num_blocks: int, block_size: int = 16, *,
                    preemption_mode: str = "recompute", num_cpu_blocks: int = 0) -> SimulationResult:
     """Serve ``requests`` with the real engine loop and scheduler (stages 6 and 7), no model.
 

@@ -1,7 +1,7 @@
 """The engine client: the one object of the server that holds the ``LLM``.
 
 vLLM's API server talks to its engine through an ``EngineClient`` (``vllm/engine/protocol.py``,
-served by ``AsyncLLM``); this is minipaged's, over stage 7's ``LLMEngine`` (or stage 10's). The
+served by ``AsyncLLM``); this is minipaged's, over the ``LLM``'s engine (stage 7's loop, or stage 10's). The
 routes, the metrics and the live page read the engine through its public methods only:
 
 * requests in and outputs out: ``submit``, ``release``, ``abort_all``, ``stream``, ``stream_all``;
@@ -44,7 +44,7 @@ from minipaged.common.sampling_params import SEED_RANGE, RequestOutput, Sampling
 from minipaged.serving.metrics import Metrics
 
 if TYPE_CHECKING:  # the engine's front end, named in annotations only
-    from minipaged.stage7_engine import LLM
+    from minipaged.llm import LLM
 
 logger = logging.getLogger("minipaged.serving")
 
@@ -426,10 +426,8 @@ class EngineClient:
 
     def engine_broken(self) -> str | None:
         """Why the engine can serve no more (``LLM.check_health``: a tensor-parallel worker died), or None."""
-        check = getattr(self._llm, "check_health", None)  # an engine whose model runs in other processes
         try:
-            if check is not None:
-                check()
+            self._llm.check_health()  # raises if the model's workers (other processes) are gone
         except Exception as err:
             return f"the engine cannot serve: {err}"
         return None

@@ -109,48 +109,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def engine_class(scheduler: str, engine_args: dict) -> type:
-    """The ``LLM`` that serves these arguments: stage 9's (v0) or stage 10's (v1); stage 11's over either
-    with ``tensor_parallel_size`` > 1; stage 12's (on v1) with a ``speculative_config``."""
-    if engine_args.get("tensor_parallel_size", 1) != 1:  # workers hold the model
-        from minipaged import stage11_tensor_parallel
-
-        return stage11_tensor_parallel.LLM if scheduler == "v1" else stage11_tensor_parallel.V0LLM
-    if engine_args.get("speculative_config") is not None:  # drafts, verified
-        from minipaged import stage12_speculative
-
-        return stage12_speculative.LLM
-    if scheduler == "v1":
-        from minipaged import stage10_v1_scheduler
-
-        return stage10_v1_scheduler.LLM
-    from minipaged import LLM
-
-    return LLM
-
-
 def serve(model: str = "tiny", host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 256, *,
           api_key: str | None = None, shutdown_timeout: float = 0.0, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, read_timeout: float = DEFAULT_READ_TIMEOUT,
-          served_model_name: str | None = None, scheduler: str = "v0", **engine_args) -> None:
-    """Run the server until SIGINT or SIGTERM. Arguments and the port are checked before the
-    model loads (``ValueError``, one line); in-flight requests are aborted after ``shutdown_timeout``.
-    ``scheduler="v1"`` serves stage 10's engine (prefix caching always on)."""
+          served_model_name: str | None = None, **engine_args) -> None:
+    """Run the server until SIGINT or SIGTERM over ``LLM(model, **engine_args)`` (``EngineConfig``'s
+    arguments). Arguments and the port are checked before the model loads (``ValueError``, one
+    line); in-flight requests are aborted after ``shutdown_timeout``."""
     import torch
     import uvicorn
 
-    if scheduler not in ("v0", "v1"):
-        raise ValueError(f"scheduler must be 'v0' or 'v1', got {scheduler!r}")
-    if scheduler == "v1":
-        engine_args["enable_prefix_caching"] = True
-    elif engine_args.get("speculative_config") is not None:
-        raise ValueError("speculative decoding runs on stage 10's scheduler: add --scheduler v1")
+    from minipaged.common.config import EngineConfig
+    from minipaged.llm import LLM
 
+    EngineConfig(model=model, **engine_args)  # every engine argument, and their combination, checked first
     check_serve_args(host, port, shutdown_timeout, max_waiting)
     sock = bind(host, port)
     logging.basicConfig(format="minipaged serve: %(message)s", level=logging.WARNING)
     try:
-        llm = engine_class(scheduler, engine_args)(model, **engine_args)
+        llm = LLM(model, **engine_args)
         name = served_model_name or model
         app = build_app(llm, name, max_waiting, api_key=api_key, max_logprobs=max_logprobs,
                         max_body_bytes=max_body_bytes, read_timeout=read_timeout, model_path=model)

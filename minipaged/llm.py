@@ -1,0 +1,274 @@
+"""The engine's composition root: one ``LLM``, its parts chosen by its configuration.
+
+As vLLM's ``LLM`` builds its engine from one ``VllmConfig``, ``LLM(model, **config)`` turns its
+arguments into an ``EngineConfig`` (checked, and every combination outside the table of
+``minipaged.common.config`` refused, before any weight is read), then builds the parts it names:
+
+| part | chosen by | from stage |
+|---|---|---|
+| block manager | ``enable_prefix_caching``: copy-on-write and swap, or prefix caching | 6 (on 3), 9 |
+| scheduler | ``scheduler``: V0 (the paper's) or V1; V1's async or draft variant | 6, 10, 12 |
+| model and K/V cache | ``tensor_parallel_size``: in this process, or in workers behind an executor | 7, 11 |
+| runner | ``scheduler``, and drafts to verify | 7, 10, 12 |
+| engine (the loop) | ``scheduler``, ``stage``, ``async_scheduling``, ``speculative_config`` | 7, 8, 9, 10, 12 |
+| proposer | ``speculative_config``: none, or n-gram | 12 |
+
+``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
+runs stage 7's loop, without the sharing of stage 8 or the options of the stages above it.
+Each stage's file holds its idea and provides its part; none of them names this module, and
+a new stage is one more row here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from tqdm.auto import tqdm
+
+from minipaged.common.config import EngineConfig, SpeculativeConfig
+from minipaged.common.processor import Prompt
+from minipaged.common.sampler import Sampler
+from minipaged.common.sampling_params import RequestOutput, RequestOutputKind, SamplingParams
+from minipaged.common.stats import PrefixCacheStats, Stats
+from minipaged.models import (
+    CausalLM,
+    load_config,
+    load_eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from minipaged.models.parallel import check_tensor_parallel
+from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
+from minipaged.stage6_scheduler import Scheduler
+from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
+from minipaged.stage7_engine import LLMEngine
+from minipaged.stage7_model_runner import ModelRunner, backend_named, determine_available_kv_memory
+from minipaged.stage8_sharing import BeamSearchOutput, BeamSearchParams, SharingEngine
+from minipaged.stage9_prefix_caching import PrefixCachingAllocator, PrefixCachingBlockSpaceManager, PrefixCachingEngine
+from minipaged.stage10_async_scheduling import AsyncScheduler, AsyncV1Engine
+from minipaged.stage10_model_runner import V1ModelRunner
+from minipaged.stage10_v1_scheduler import KVCacheManager, V1Engine, V1Scheduler
+from minipaged.stage11_tensor_parallel import Executor, follow_rank_0_of, start_tensor_parallel
+from minipaged.stage12_rejection_sampler import NgramProposer
+from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+def engine_class(c: EngineConfig) -> type[LLMEngine]:
+    """The loop that steps the parts: stage 7's, with the ideas of the stages above it that ``c`` asks for."""
+    if c.scheduler == "v1":
+        if c.speculative_config is not None:
+            return SpecDecodeEngine
+        return AsyncV1Engine if c.async_scheduling else V1Engine
+    if c.stage >= 9 and c.enable_prefix_caching:
+        return PrefixCachingEngine  # its requests that ask for prompt_logprobs read no cached block
+    return SharingEngine if c.stage >= 8 else LLMEngine
+
+
+class LLM:
+    """A serving engine on a paged KV cache, over a local Hugging Face model (or ``"tiny"``).
+
+    Its arguments are ``EngineConfig``'s, checked before anything is loaded: ``LLM("tiny")`` is
+    the top of the ladder (V1's scheduler, prefix caching on); ``LLM("tiny", stage=N)`` the
+    engine as of stage ``N``. ``generate`` runs prompts to the end; ``engine`` is the loop,
+    for a server (``add_request``, ``step``). An exception or Ctrl-C inside a call aborts its
+    requests, every block goes back, and the same ``LLM`` keeps working.
+    """
+
+    def __init__(self, model: str | os.PathLike = "tiny", **kwargs: Any) -> None:
+        config = EngineConfig(model=model, **kwargs)
+        path = resolve_model_path(str(model))
+        self.model_config = load_config(path)
+        self.dtype, self.device = config.torch_dtype, torch.device(config.device)
+        profiled = None
+        if config.profiles_kv_cache:  # the weights first: the cache takes what they and a step leave
+            profiled = load_model(path, self.dtype, self.device)[0]
+            config = dataclasses.replace(config, kv_cache_memory=self.profile_kv_cache_memory(profiled, config))
+        self.config = config = config.resolve(self.model_config)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)  # before any worker starts
+        self.max_model_len = config.max_model_len
+        self.executor: Executor | None = None
+        self.scheduler = self.build_scheduler(self.build_block_manager())
+        self.model, self.cache = self.build_model_and_cache(path, profiled)
+        self.tokenizer = load_tokenizer(path)
+        eos_ids = load_eos_token_ids(path)
+        self.engine = engine_class(config)(self.scheduler, self.build_runner(),  # type: ignore[arg-type]
+                                           Sampler(eos_ids, config.logprobs_mode), tokenizer=self.tokenizer,
+                                           eos_token_ids=eos_ids, vocab_size=self.model_config.vocab_size,
+                                           seed=config.seed, device=self.device)
+        spec = config.speculative_config
+        if isinstance(spec, SpeculativeConfig) and isinstance(self.engine, SpecDecodeEngine):
+            self.engine.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                                 spec.prompt_lookup_min)
+        self._request_ids = itertools.count()
+
+    # ---- the parts, each chosen by the configuration ----
+
+    def build_block_manager(self) -> SwapBlockSpaceManager:
+        """The block manager the scheduler and the runner share, with a CPU pool for swapping."""
+        c = self.config
+        cpu = RefCountedBlockAllocator(c.num_cpu_blocks) if c.num_cpu_blocks else None
+        if c.enable_prefix_caching:
+            return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size, cpu)
+        return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, cpu)
+
+    def build_scheduler(self, block_manager: SwapBlockSpaceManager) -> Scheduler | V1Scheduler:
+        c = self.config
+        if c.scheduler == "v0":
+            return Scheduler(block_manager, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+                             max_num_batched_tokens=c.max_num_batched_tokens, preemption_mode=c.preemption_mode)
+        assert c.max_num_batched_tokens is not None  # V1's default is set where the config is made
+        v1_class = (SpecDecodeScheduler if c.speculative_config is not None
+                    else AsyncScheduler if c.async_scheduling else V1Scheduler)
+        return v1_class(KVCacheManager(block_manager), max_num_batched_tokens=c.max_num_batched_tokens,
+                        max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
+
+    def build_model_and_cache(self, path: Path, loaded: CausalLM | None) -> tuple[Any, Any]:
+        """The model the runner calls and the paged K/V of every layer: here, or (stage 11) in
+        ``tensor_parallel_size`` workers, of which the runner sees stand-ins."""
+        c, mc = self.config, self.model_config
+        model: Any
+        cache: Any
+        if c.tensor_parallel_size > 1:
+            self.executor, model, cache = start_tensor_parallel(c, mc, path)
+            return model, cache
+        model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
+        cache = SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks, c.block_size, mc.num_kv_heads, mc.head_dim,
+                                 self.dtype, self.device, c.num_cpu_blocks)
+        return model, cache
+
+    def build_runner(self) -> ModelRunner | V1ModelRunner:
+        c, backend = self.config, backend_named(self.config.attention_backend)
+        if c.scheduler == "v0":
+            return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
+        runner_class = SpecDecodeModelRunner if c.speculative_config is not None else V1ModelRunner
+        return runner_class(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend)
+
+    def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
+        """The bytes of K/V that ``gpu_memory_utilization`` leaves (``determine_available_kv_memory``),
+        profiled with the largest step: ``max_num_batched_tokens`` tokens (8192 by default, or the
+        model's positions), and the logits of ``max_num_seqs`` rows. ``ValueError`` if nothing is left."""
+        mc = self.model_config
+        num_tokens = config.max_num_batched_tokens or min(8192, mc.max_position_embeddings)
+        available = determine_available_kv_memory(model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                  config.block_size, num_tokens, min(config.max_num_seqs, num_tokens),
+                                                  config.gpu_memory_utilization,
+                                                  backend_named(config.attention_backend))
+        if available < config.block_size * mc.kv_bytes_per_token(self.dtype):
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the "
+                             f"KV cache after the weights and a step of {num_tokens} tokens")
+        return available
+
+    # ---- running prompts ----
+
+    def next_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (strings or ``{"prompt_token_ids": [...]}``); outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params or SamplingParams()] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        final = {id(p): dataclasses.replace(p, output_kind=FINAL_ONLY) if isinstance(p, SamplingParams) else p
+                 for p in params}  # as vLLM's LLM asks: no output of a request before it is done
+        params = [final[id(p)] for p in params]
+        ids, done = [], {}
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.next_request_id())
+                self.engine.add_request(ids[-1], prompt, p)
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
+                while self.engine.has_unfinished_requests() and any(i not in done for i in ids):
+                    for output in self.engine.step():
+                        if output.finished:
+                            done[output.request_id] = output
+                            bar.update(1)
+        except BaseException:  # nothing of this call stays queued, every block goes back
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return [done[i] for i in ids]
+
+    def beam_search(self, prompts: Prompt | Iterable[Prompt],
+                    params: BeamSearchParams | None = None) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, served together (stage 8's, under V0's scheduler); each
+        output's beams best first. V1 serves one sequence per request, as vLLM V1's engine does."""
+        if not isinstance(self.engine, SharingEngine):
+            raise ValueError("beam search needs stage >= 8 and scheduler='v0' (V1 serves one sequence per request)")
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        ids = [self.next_request_id() for _ in prompts]
+        return self.engine.beam_search(prompts, params or BeamSearchParams(), ids)
+
+    @property
+    def stats(self) -> Stats:
+        """What the engine, the scheduler, the prefix cache and the drafts counted since this ``LLM`` was made."""
+        allocator = self.scheduler.block_manager.allocator
+        engine = self.engine
+        return Stats(engine=dataclasses.replace(engine.stats), scheduler=self.scheduler.make_stats(),
+                     prefix_cache=(allocator.make_stats() if isinstance(allocator, PrefixCachingAllocator)
+                                   else PrefixCacheStats()),
+                     spec_decoding=(dataclasses.replace(engine.spec_stats)
+                                    if isinstance(engine, SpecDecodeEngine) else None))
+
+    # ---- workers ----
+
+    def check_health(self) -> None:
+        """``WorkerDiedError`` if a tensor-parallel worker is gone (vLLM's ``check_health``)."""
+        if self.executor is not None:
+            self.executor.check_health()
+
+    def close(self) -> None:
+        """Stop the workers, if any; an ``LLM`` with workers serves no more."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def torchrun_main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m minipaged.llm --model M --prompt-token-ids '[[...]]'``:
+    every process a worker, its rank and the rendezvous from torchrun's environment; rank 0 also
+    runs the engine (``distributed_executor_backend="external_launcher"``, vLLM's name) and prints
+    the greedy outputs as JSON, one line per prompt."""
+    parser = argparse.ArgumentParser(prog="python -m minipaged.llm")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--prompt-token-ids", required=True, help="a JSON list of lists of token ids")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kwargs = dict(tensor_parallel_size=world_size, distributed_executor_backend="external_launcher",
+                  num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
+    if rank != 0:
+        path = resolve_model_path(args.model)
+        follow_rank_0_of(EngineConfig(model=args.model, **kwargs).resolve(load_config(path)), path, rank)
+        return
+    with LLM(args.model, **kwargs) as llm:
+        prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        for out in llm.generate(cast("list[Prompt]", prompts), params, use_tqdm=False):
+            print(json.dumps(out.outputs[0].token_ids), flush=True)
+
+
+if __name__ == "__main__":
+    torchrun_main()

@@ -1,0 +1,53 @@
+"""Stage 10 — what V1's scheduler tells its runner each step (vLLM's ``v1/core/sched/output.py``).
+
+The scheduler and the runner share no state: each step the scheduler sends a ``SchedulerOutput``.
+A request the runner has not seen comes whole (``NewRequestData``); one already in its
+persistent batch comes as what changed since its last step (``CachedRequestData``): the token
+sampled last, the blocks added. The rows of finished and preempted requests are named, to be
+dropped. Read the fields here first: stage 10's scheduler fills them, its runner applies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine's requests, named in annotations only
+    from minipaged.stage7_engine import Request
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must see afresh, after a preemption): all of it."""
+
+    req_id: Hashable
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in the persistent batch: only what changed since its last step."""
+
+    req_id: Hashable
+    new_token_ids: list[int]  # the token sampled last step, if any
+    new_block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: how many tokens each request computes, and the differences for the runner."""
+
+    num_scheduled_tokens: dict[Hashable, int] = field(default_factory=dict)  # in scheduling order
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    preempted_req_ids: list[Hashable] = field(default_factory=list)
+    finished_req_ids: list[Hashable] = field(default_factory=list)  # since the last step
+    scheduled: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())

@@ -1,0 +1,197 @@
+"""One engine, its parts chosen by its configuration: the parts each configuration builds, the
+combinations that work (each equal to its reference), and those refused before any weight is read."""
+
+import dataclasses
+
+import pytest
+from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
+
+import minipaged.llm
+from minipaged import LLM, SamplingParams
+from minipaged.common.config import COMBINATIONS_REFUSED, EngineConfig
+from minipaged.stage6_scheduler import Scheduler
+from minipaged.stage6_swapping import SwapBlockSpaceManager
+from minipaged.stage7_engine import LLMEngine
+from minipaged.stage7_model_runner import ModelRunner
+from minipaged.stage8_sharing import SharingEngine
+from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager, PrefixCachingEngine
+from minipaged.stage10_async_scheduling import AsyncScheduler, AsyncV1Engine
+from minipaged.stage10_model_runner import V1ModelRunner
+from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler
+from minipaged.stage11_tensor_parallel import RemoteKVCache, TensorParallelModel
+from minipaged.stage12_rejection_sampler import NgramProposer
+from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPEATS = [5, 17, 90, 3, 42, 8, 25, 11, 7]
+SHARED = REPEATS * 3  # a prefix of 27 tokens every prompt starts with
+PROMPTS = [SHARED + [1, 2, 3, 1, 2, 3], SHARED + [60, 61], SHARED + REPEATS[:4] * 2, SHARED + [99]]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SMALL = dict(block_size=4, num_gpu_blocks=128)
+
+
+def run(llm, prompts=PROMPTS, params=GREEDY):
+    """The first prompt alone, then the others together (which may find its blocks cached): the tokens."""
+    outputs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+               for batch in (prompts[:1], prompts[1:])]
+    return [o.outputs[0].token_ids for batch in outputs for o in batch]
+
+
+# -- the parts each configuration builds ----------------------------------------------------------------------------
+
+PARTS = [  # (config, engine, scheduler, block manager, runner): exactly these classes
+    (dict(stage=7), LLMEngine, Scheduler, SwapBlockSpaceManager, ModelRunner),
+    (dict(stage=8), SharingEngine, Scheduler, SwapBlockSpaceManager, ModelRunner),
+    (dict(stage=9), SharingEngine, Scheduler, SwapBlockSpaceManager, ModelRunner),
+    (dict(stage=9, enable_prefix_caching=True), PrefixCachingEngine, Scheduler, PrefixCachingBlockSpaceManager,
+     ModelRunner),
+    (dict(stage=10), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),
+    (dict(stage=10, enable_prefix_caching=False), V1Engine, V1Scheduler, SwapBlockSpaceManager, V1ModelRunner),
+    (dict(stage=10, async_scheduling=True), AsyncV1Engine, AsyncScheduler, PrefixCachingBlockSpaceManager,
+     V1ModelRunner),
+    (dict(scheduler="v0", preemption_mode="swap"), SharingEngine, Scheduler, SwapBlockSpaceManager, ModelRunner),
+    (dict(), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),  # the top, without drafts
+    (dict(speculative_config=NGRAM), SpecDecodeEngine, SpecDecodeScheduler, PrefixCachingBlockSpaceManager,
+     SpecDecodeModelRunner),
+]
+
+
+@pytest.mark.common
+@pytest.mark.parametrize(("kwargs", "engine", "scheduler", "block_manager", "runner"), PARTS)
+def test_each_configuration_builds_the_parts_it_names(kwargs, engine, scheduler, block_manager, runner):
+    llm = LLM("tiny", num_gpu_blocks=32, **kwargs)
+    assert type(llm.engine) is engine and type(llm.scheduler) is scheduler
+    assert type(llm.scheduler.block_manager) is block_manager and type(llm.engine.runner) is runner
+    assert llm.engine.scheduler is llm.scheduler and llm.executor is None
+    proposer = getattr(llm.engine, "proposer", None)
+    assert isinstance(proposer, NgramProposer) == ("speculative_config" in kwargs)
+
+
+@pytest.mark.common
+def test_the_defaults_follow_the_scheduler_as_in_vllm():
+    """V1: prefix caching on and a token budget of 2048; V0: prefix caching off, the scheduler's own budget.
+    The top of the ladder is V1's; each stage below 10 is V0's."""
+    top, v0, stage9 = EngineConfig(), EngineConfig(scheduler="v0"), EngineConfig(stage=9)
+    assert (top.scheduler, top.enable_prefix_caching, top.max_num_batched_tokens) == ("v1", True, 2048)
+    assert (v0.scheduler, v0.enable_prefix_caching, v0.max_num_batched_tokens) == ("v0", False, None)
+    assert (stage9.scheduler, stage9.enable_prefix_caching) == ("v0", False)
+    assert EngineConfig(enable_prefix_caching=False).enable_prefix_caching is False  # vLLM's --no-enable-...
+
+
+# -- refused, where the configuration is made ------------------------------------------------------------------------
+
+REFUSED = [  # configurations that break the table's rules, every rule by at least one
+    dict(stage=8, enable_prefix_caching=True),
+    dict(stage=9, scheduler="v1"),
+    dict(stage=9, async_scheduling=True),
+    dict(stage=10, tensor_parallel_size=2),
+    dict(stage=11, speculative_config=NGRAM),
+    dict(preemption_mode="swap"),
+    dict(scheduler="v0", async_scheduling=True),
+    dict(scheduler="v0", speculative_config=NGRAM),
+    dict(async_scheduling=True, speculative_config=NGRAM),
+    dict(async_scheduling=True, tensor_parallel_size=2),
+]
+
+
+@pytest.mark.common
+def test_every_rule_of_the_table_has_a_configuration_that_breaks_it():
+    """Each refused configuration breaks a rule, and every rule has its configuration (so that the test
+    below refuses each)."""
+    broken = []
+    for kwargs in REFUSED:
+        config = EngineConfig.__new__(EngineConfig)  # the fields, unchecked, to ask each rule
+        values = {f.name: f.default for f in dataclasses.fields(EngineConfig)} | kwargs
+        for name, value in values.items():
+            object.__setattr__(config, name, value)
+        object.__setattr__(config, "scheduler", values["scheduler"] or ("v1" if values["stage"] >= 10 else "v0"))
+        if config.enable_prefix_caching is None:
+            object.__setattr__(config, "enable_prefix_caching", config.scheduler == "v1")
+        rules = [i for i, (rule, _) in enumerate(COMBINATIONS_REFUSED) if rule(config)]
+        assert rules, kwargs
+        broken += rules
+    assert sorted(set(broken)) == list(range(len(COMBINATIONS_REFUSED)))
+
+
+@pytest.mark.common
+@pytest.mark.parametrize("kwargs", REFUSED)
+def test_a_refused_combination_is_refused_before_any_weight_is_read(kwargs, monkeypatch):
+    monkeypatch.setattr(minipaged.llm, "load_model", lambda *a: pytest.fail("weights read"))
+    monkeypatch.setattr(minipaged.llm, "start_tensor_parallel", lambda *a: pytest.fail("workers started"))
+    with pytest.raises(ValueError):
+        LLM("tiny", **kwargs)
+
+
+@pytest.mark.stage8
+def test_beam_search_is_refused_under_v1_and_below_stage_8():
+    """vLLM V1 dropped beam search from its engine: its requests are one sequence each."""
+    for kwargs in (dict(), dict(stage=7)):
+        with pytest.raises(ValueError):
+            LLM("tiny", num_gpu_blocks=32, **kwargs).beam_search(["The cat"])
+    assert LLM("tiny", stage=8, num_gpu_blocks=64).beam_search(["The cat"])[0].sequences
+
+
+# -- the combinations that work, each equal to its reference ---------------------------------------------------------
+
+@pytest.mark.stage12
+@pytest.mark.rounding_free
+def test_tensor_parallelism_with_speculative_decoding_equals_one_process_without_drafts():
+    expected = run(LLM("tiny", stage=10, **SMALL))
+    with LLM("tiny", tensor_parallel_size=2, speculative_config=NGRAM, **SMALL) as llm:
+        assert isinstance(llm.engine.runner.model, TensorParallelModel)
+        assert run(llm) == expected
+        assert llm.stats.spec_decoding.num_accepted_tokens > 0  # drafts were kept, through the workers
+
+
+@pytest.mark.stage11
+@pytest.mark.rounding_free
+def test_tensor_parallelism_with_prefix_caching_and_chunked_prefill_equals_one_process():
+    expected = run(LLM("tiny", stage=10, enable_prefix_caching=False, **SMALL))
+    with LLM("tiny", stage=11, tensor_parallel_size=2, max_num_batched_tokens=8, **SMALL) as llm:
+        assert isinstance(llm.cache, RemoteKVCache) and llm.config.enable_prefix_caching
+        assert run(llm) == expected
+        assert llm.stats.prefix_cache_hits > 0  # the shared prefix was found, in chunks of 8 tokens
+
+
+@pytest.mark.stage12
+def test_speculative_decoding_with_prefix_caching_equals_stage_10_without_either():
+    expected = run(LLM("tiny", stage=10, enable_prefix_caching=False, **SMALL))
+    llm = LLM("tiny", speculative_config=NGRAM, **SMALL)
+    assert run(llm) == expected
+    stats = llm.stats
+    assert stats.prefix_cache_hits > 0 and stats.spec_decoding.num_accepted_tokens > 0
+
+
+@pytest.mark.stage10
+def test_async_scheduling_with_prefix_caching_equals_synchronous_stepping_without_it():
+    expected = run(LLM("tiny", stage=10, enable_prefix_caching=False, **SMALL))
+    llm = LLM("tiny", stage=10, async_scheduling=True, **SMALL)
+    assert run(llm) == expected and llm.stats.prefix_cache_hits > 0
+
+
+@pytest.mark.stage10
+def test_v1_without_prefix_caching_equals_v1_with_it_and_v0():
+    plain = LLM("tiny", stage=10, enable_prefix_caching=False, **SMALL)
+    assert run(plain) == run(LLM("tiny", stage=10, **SMALL)) == run(LLM("tiny", stage=9, **SMALL))
+    assert plain.stats.prefix_cache_hits == 0
+
+
+def preemption_keeps_the_outputs(scheduler, mode):
+    """A cache too small for every request at once: preempted requests come back with the same tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = run(LLM("tiny", scheduler=scheduler, block_size=4, num_gpu_blocks=256), params=params)
+    tight = LLM("tiny", scheduler=scheduler, preemption_mode=mode, block_size=4, num_gpu_blocks=22, max_model_len=64,
+                enable_prefix_caching=False)
+    assert run(tight, params=params) == roomy
+    assert tight.stats.num_preemptions > 0
+
+
+@pytest.mark.stage6
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_under_v0_swaps_or_recomputes_and_keeps_the_outputs(mode):
+    preemption_keeps_the_outputs("v0", mode)
+
+
+@pytest.mark.stage10
+def test_preemption_under_v1_recomputes_and_keeps_the_outputs():
+    preemption_keeps_the_outputs("v1", "recompute")
