@@ -80,14 +80,20 @@ def _grade(args: argparse.Namespace) -> int:
     from minipaged.learn.grade import (
         exit_status,
         format_report,
+        format_row,
         format_rubric,
         grade_report,
         gradescope_results,
+        rows,
         write_results,
     )
 
+    def progress(row: dict) -> None:  # each stage's line as soon as it is graded, on stderr
+        print(format_row(rows({"stages": [row]})[0]), file=sys.stderr, flush=True)
+
     tests = Path(args.tests) if args.tests else None
-    report = grade_report(Path(args.directory), args.stage, tests, collect_only=args.rubric)
+    report = grade_report(Path(args.directory), args.stage, tests, collect_only=args.rubric,
+                          progress=None if args.rubric else progress)
     if args.rubric:
         print(json.dumps(report["rubric"] | {"stages": report["stages"]}, indent=2) if args.json
               else format_rubric(report))
@@ -177,15 +183,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine's options that ``generate`` and ``serve`` share (``EngineConfig``'s names)."""
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int)
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--attention-backend", "--backend", dest="backend", default="ref", choices=["ref", "triton"])
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-gpu-blocks", type=int,
+                   help="KV blocks in the cache (default: what --gpu-memory-utilization leaves on CUDA, "
+                        "256 MiB on a CPU)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what a preempted request loses: its K/V (recompute) or its place on the device (swap; v0)")
+    p.add_argument("--attention-backend", "--backend", dest="backend", default="ref", choices=["ref", "triton"],
+                   help="stage 4's PyTorch reference or stage 5's Triton kernels")
+    p.add_argument("--dtype", default="float32", help="the weights' and the K/V's dtype")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: the share of the device's memory the engine may take (the K/V take what is left)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the seed of the requests that name none")
     p.add_argument("--enable-prefix-caching", "--prefix-caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of shared prefixes (default: on under --scheduler v1, off under v0)")
@@ -195,13 +205,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 def _add_learning_commands(sub) -> None:
     p = sub.add_parser("exercise", help="write a workspace where stage N's solutions are stubs")
-    p.add_argument("stage", type=int)
+    p.add_argument("stage", type=int, help="the stage whose solutions become stubs")
     p.add_argument("--out", help="folder to write (default: ./minipaged-exercise-N)")
     p.add_argument("--force", action="store_true", help="replace the folder if it exists")
     p.set_defaults(run=_exercise)
 
     p = sub.add_parser("grade", help="run the stage tests of a workspace and print a table")
-    p.add_argument("directory", nargs="?", default=".")
+    p.add_argument("directory", nargs="?", default=".", help="the exercise workspace")
     p.add_argument("--stage", type=int, action="append", help="grade only this stage (repeatable)")
     p.add_argument("--tests", metavar="DIR", help="a teacher's extra tests, run beside the workspace's own")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON instead of the table")
@@ -232,10 +242,10 @@ def _add_generate_command(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a model")
     p.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face model folder")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="keep the most likely tokens up to this mass")
     _add_engine_options(p)
     p.set_defaults(run=_generate)
 
@@ -243,11 +253,12 @@ def _add_generate_command(sub) -> None:
 def _add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback only)")
     p.add_argument("model", nargs="?", default="tiny", help="'tiny' or a local Hugging Face model folder")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free one)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait; more get HTTP 503")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int,
+                   help="the longest sequence (default: the model's positions, or what the cache holds)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the most sequences one step runs")
     _add_engine_options(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model argument)")
@@ -276,24 +287,44 @@ def _add_serve_command(sub) -> None:
 def _add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")
     p.add_argument("--blocks", type=int, default=8, help="KV cache blocks for the engine demo")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap"])
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--slots", type=int, default=16384)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap"],
+                   help="what a preempted request loses: its K/V (recompute) or its place on the device (swap)")
+    p.add_argument("--requests", type=int, default=300, help="requests of the memory simulation")
+    p.add_argument("--slots", type=int, default=16384, help="KV slots of the memory simulation")
     p.add_argument("--rate", type=float, default=0.2, help="arrivals per decode step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.set_defaults(run=_demo)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's default after its help, where it has one worth showing (not None, False or [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        shown = action.default not in (None, False, [], argparse.SUPPRESS) and "(default" not in help_text
+        return f"{help_text} (default: %(default)s)" if shown and action.option_strings else help_text
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from minipaged import __version__
+
     parser = argparse.ArgumentParser(prog="minipaged", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"minipaged {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_learning_commands(sub)
     _add_generate_command(sub)
     _add_serve_command(sub)
     _add_demo_command(sub)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: every option's default shown in its help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formatter_class=DefaultsHelpFormatter, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

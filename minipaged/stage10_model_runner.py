@@ -50,7 +50,8 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
 
     def update_request(self, cached: CachedRequestData) -> None:
-        """Append what changed: the new tokens and the new blocks."""
+        """Append what changed: the new tokens after the row's known tokens (``num_tokens``, whatever its
+        ``num_computed_tokens``, which only the runner moves), the new blocks after its blocks."""
         row = self.row_of[cached.req_id]
         # BEGIN SOLUTION write the new tokens and block ids after the row's last ones
         t, b = self.num_tokens[row], self.num_blocks[row]

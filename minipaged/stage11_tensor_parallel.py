@@ -249,7 +249,13 @@ class StepHidden:
 
     def index_select(self, dim: int, logits_indices: torch.Tensor) -> StepRows:
         """The rows the runner asks for, as it asks a model's hidden states (``dim`` is 0)."""
+        if dim != 0:
+            raise ValueError(f"a step's rows are along dim 0, got dim={dim}")
         return StepRows(self, logits_indices)
+
+    def __getitem__(self, logits_indices: torch.Tensor) -> StepRows:
+        """``hidden[indices]``: the same rows, as a runner may ask for them instead."""
+        return StepRows(self, torch.as_tensor(logits_indices))
 
 
 @dataclasses.dataclass
@@ -272,7 +278,8 @@ class TensorParallelModel:
         return StepHidden(input_ids, positions, cache, meta)
 
     def compute_logits(self, rows: StepRows) -> torch.Tensor:
-        """Send the step (its inputs, its block moves, the rows asked for) to every worker; rank 0's logits."""
+        """Send the step (its inputs, its block moves, the rows asked for, the attention backend this model
+        was given) to every worker, whether or not any row is asked for; rank 0's logits."""
         # BEGIN SOLUTION the step's inputs as numpy arrays, its block moves, the rows; rank 0's logits back
         step, meta = rows.hidden, rows.hidden.meta
         inputs = StepInputs(

@@ -112,7 +112,8 @@ class Worker:
                                       resolve_dtype(c.dtype), self.device, c.num_cpu_blocks)
 
     def execute_model(self, step: StepInputs) -> np.ndarray | None:
-        """Run one step on this shard: the block moves on this rank's blocks, then the forward pass.
+        """Run one step on this shard: the block moves on this rank's blocks in the runner's order (swap
+        out, swap in, then copy-on-write copies), then the forward pass with the step's attention backend.
         Rank 0 returns the ``(num_rows, vocab)`` float32 logits (every rank has them); the others None."""
         # BEGIN SOLUTION this rank's block moves first, in the runner's order; then its shard's forward
         self.cache.swap_out(step.blocks_to_swap_out)

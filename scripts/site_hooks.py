@@ -118,6 +118,31 @@ def _breakable_names(html: str) -> str:
     return TABLE.sub(lambda table: CELL_CODE.sub(cell_code, table.group(0)), html)
 
 
+CJK = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef"  # CJK punctuation, ideographs, full-width forms
+CJK_LINE_BREAK = re.compile(rf"(?<=[{CJK}])[ \t]*\n[ \t]*(?=[{CJK}])")
+FENCE = re.compile(r"^[ \t]*(```|~~~)")
+
+
+def join_cjk_lines(markdown: str) -> str:
+    """Chinese source lines are wrapped where an English line would be; a browser shows each line
+    break as a space, which Chinese puts between no two characters. Join the lines where a break
+    falls between two CJK characters, outside fenced code (a new block never starts with one)."""
+    parts, block, fenced = [], [], False
+    for line in markdown.splitlines(keepends=True):
+        if FENCE.match(line):  # a fence opens or closes: the text before it is done
+            text = "".join(block)
+            parts += [text if fenced else CJK_LINE_BREAK.sub("", text), line]
+            block, fenced = [], not fenced
+        else:
+            block.append(line)
+    text = "".join(block)
+    return "".join(parts) + (text if fenced else CJK_LINE_BREAK.sub("", text))
+
+
+def on_page_markdown(markdown: str, page, config, files):
+    return join_cjk_lines(markdown) if page.file.src_uri.endswith(".zh.md") else markdown
+
+
 def on_page_content(html: str, page, config, files):
     html = _breakable_names(html)
     if not _is_notebook(page):

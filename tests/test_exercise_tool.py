@@ -7,6 +7,7 @@
 Test ids here never contain ``stage<N>``, so that ``pytest -k stageN`` never selects them.
 """
 
+import argparse
 import ast
 import importlib
 import importlib.util
@@ -78,8 +79,8 @@ def test_a_stage_of_two_files_names_its_main_file_first():
     assert names[11] == ["stage11_tensor_parallel.py", "stage11_worker.py"]  # the driver imports its workers
     assert names[12] == ["stage12_speculative.py", "stage12_rejection_sampler.py"]  # the engine, its proposer
     assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10, 11, 12))
-    assert tutorial_for(10) == "tutorials/11_v1_scheduler.ipynb" and tutorial_for(7) == "tutorials/07_engine.ipynb"
-    assert tutorial_for(12) == "tutorials/13_speculative.ipynb"
+    assert tutorial_for(10) == "tutorials/10_v1_scheduler.ipynb" and tutorial_for(7) == "tutorials/07_engine.ipynb"
+    assert tutorial_for(12) == "tutorials/12_speculative.ipynb"
 
 
 @pytest.mark.parametrize(
@@ -602,3 +603,23 @@ def test_workspace_tutorials_import_the_workspace_and_drop_pieces_named_by_a_sol
     other = "def g():\n    return x\n"
     out = json.loads(workspace_notebook(json.dumps(notebook), [(other, other), (reference, stubbed)]))
     assert "".join(out["cells"][1]["source"]) == second
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    from minipaged import __version__
+    from minipaged.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help"
+        text = " ".join(command.format_help().split())
+        for action in command._actions:
+            if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+                assert f"default: {action.default}" in text, f"{name} {action.option_strings[0]}"
+    assert "default: 0.8" in " ".join(commands["generate"].format_help().split())
+    assert "default: 8000" in " ".join(commands["serve"].format_help().split())
+    out = subprocess.run([sys.executable, "-m", "minipaged.cli", "--version"], capture_output=True, text=True)
+    assert out.stdout.split() == ["minipaged", __version__]

@@ -614,10 +614,76 @@ def test_the_text_report_gives_the_points_of_the_json_one(perfect):
     report, lines = perfect["report"], perfect["done"].stdout.splitlines()
     assert report["schema"] == SCHEMA and "execution_time" in report  # --format json wrote the whole report
     stages = [re.match(r"stage (\d+): ([\d.]+)/([\d.]+) points", line) for line in lines]
-    assert [(int(m[1]), float(m[2]), float(m[3])) for m in stages if m] == [
-        (row["stage"], row["score"], row["max_points"]) for row in report["stages"]]
+    assert [(int(m[1]), float(m[2]), float(m[3])) for m in stages if m] == [  # out of the stage's full points
+        (row["stage"], row["score"], row["points"]) for row in report["stages"]]
     (total,) = [m for line in lines if (m := re.match(r"score: ([\d.]+)/([\d.]+) points", line))]
-    assert (float(total[1]), float(total[2])) == (report["score"], report["max_score"])
+    assert (float(total[1]), float(total[2])) == (report["score"], report["points"])
     held = [float(m[1]) for line in lines
             if line.startswith("stage ") and (m := re.search(r"([\d.]+) held back", line))]
     assert held == [row["blocked_points"] for row in report["stages"] if row["blocked"]]
+
+
+def _learners_source(reference: str) -> str:
+    """What a learner's finished file looks like: the reference's code, its solution markers gone."""
+    return "".join(line for line in reference.splitlines(keepends=True)
+                   if not line.strip().startswith(("# BEGIN SOLUTION", "# END SOLUTION")))
+
+
+@pytest.mark.parametrize("number", sorted(stage_files()))
+def test_the_grader_hashes_the_files_the_learner_wrote_in_a_real_workspace(number, tmp_path):
+    """A workspace made by ``exercise``, its stubs replaced by a learner's code (no markers left): the
+    report hashes exactly the stage's files with solutions, as the learner left them."""
+    from minipaged.learn.exercise import files_to_write
+    from minipaged.learn.grade import graded_files
+
+    expected = [path.name for path in files_to_write(number)]
+    workspace = make_workspace(number, tmp_path / "ws")
+    for name in expected:
+        target = workspace / "minipaged" / name
+        target.write_text(_learners_source((REPO_DIR / "minipaged" / name).read_text()) + "# mine\n")
+    hashes = graded_files(workspace, [number])
+    assert sorted(hashes) == sorted(f"minipaged/{name}" for name in expected) and expected
+    for name in expected:
+        assert hashes[f"minipaged/{name}"] == _digest(workspace / "minipaged" / name)
+    assert [p.name for p in files_to_write(number, workspace / "minipaged")] == expected
+
+
+def test_the_exercise_command_names_the_files_it_stubbed(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "minipaged.cli", "exercise", "3", "--out", str(tmp_path / "ws")],
+                         capture_output=True, text=True, check=True).stdout
+    named = re.findall(r"minipaged/(stage\w+\.py)", out.splitlines()[0])
+    assert named == ["stage3_copy_on_write.py"]
+
+
+def test_each_stage_is_printed_as_soon_as_it_is_graded(clean_workspace):
+    """Stages run one after the other; each one's line comes as it is graded, in order, before the report."""
+    seen = []
+    report = grade_report(clean_workspace, [0, 1], progress=lambda row: seen.append((row["stage"], row["status"])))
+    assert seen == [(row["stage"], row["status"]) for row in report["stages"]] and [s for s, _ in seen] == [0, 1]
+    done = subprocess.run([*CLI, str(clean_workspace), "--stage", "0", "--stage", "1"], capture_output=True, text=True)
+    progress = [line for line in done.stderr.splitlines() if re.match(r"\d+ +\d+/\d+", line)]
+    assert [int(line.split()[0]) for line in progress] == [0, 1]
+
+
+def test_blocked_tests_show_beside_the_tests_that_ran():
+    from minipaged.learn.grade import StageResult, format_row
+
+    assert format_row(StageResult(5, 26, 0, 9, blocked=9)).split()[1:] == ["26/26", "(+9", "blocked)", "complete"]
+    assert "blocked" not in format_row(StageResult(1, 3, 1, 0))
+
+
+def test_the_grader_names_a_known_mistake_under_a_test_it_fails():
+    """The known mistakes are the mutant catalogue's names, by the test that caught each first: the grade
+    table names them under a failing test."""
+    from minipaged.learn.grade import StageResult, format_grades, known_mistakes
+    from minipaged.learn.mutants import recorded_killers
+
+    mistakes = known_mistakes()
+    expected: dict[str, list[str]] = {}
+    for key, test in sorted(recorded_killers().items()):
+        if "::" in test:
+            expected.setdefault(test, []).append(key.split(": ", 1)[1])
+    assert mistakes == expected and mistakes
+    test, names = next(iter(mistakes.items()))
+    text = format_grades([StageResult(0, 0, 1, 0, [test])])
+    assert all(f"a known mistake that fails it: {name}" in text for name in names)

@@ -325,7 +325,7 @@ def test_every_page_notebook_and_message_shows_one_test_command():
 
 # ---------------------------------------------------------------------------------------------
 # The learner's path: stage N's page, tutorial N, exercise N, then stage N + 1; after stage 9's
-# exercise, tutorial 10 (serving) and the serving page; stages 10, 11 and 12; then the benchmarks. The
+# exercise, the serving tutorial and the serving page; stages 10, 11 and 12; then the benchmarks. The
 # footers follow it.
 
 class _FooterLinks(HTMLParser):
@@ -358,6 +358,8 @@ def _walk(site: Path, start: str, direction: str) -> list[str]:
 
 def _step(page: str) -> str:
     """A page's place on the learner's path: 'stage 3', 'tutorial 3', 'exercise 3', or its name."""
+    if page == "tutorials/serving.html":
+        return "tutorial serving"
     for kind, pattern in (("stage", r"stages/(\d+)_\w+\.html"), ("tutorial", r"tutorials/(\d+)_\w+\.html"),
                           ("exercise", r"exercises/stage(\d+)\.html")):
         if match := re.fullmatch(pattern, page):
@@ -367,8 +369,8 @@ def _step(page: str) -> str:
 
 LEARNERS_PATH = ["exercises/index", *[f"{kind} {n}" for n in range(10)
                                       for kind in ("stage", "tutorial", "exercise")],
-                 "tutorial 10", "serving", "stage 10", "tutorial 11", "exercise 10", "stage 11", "tutorial 12",
-                 "exercise 11", "stage 12", "tutorial 13", "exercise 12", "benchmarks"]
+                 "tutorial serving", "serving", "stage 10", "tutorial 10", "exercise 10", "stage 11", "tutorial 11",
+                 "exercise 11", "stage 12", "tutorial 12", "exercise 12", "benchmarks"]
 
 
 def _check_learners_path(pages: list[str]) -> None:
@@ -385,9 +387,9 @@ def test_the_path_check_finds_a_page_out_of_order():
     good = ["index.html", "exercises/index.html", "glossary.html"]
     for n in range(10):
         good += [f"stages/{n}_x.html", f"tutorials/{n:02d}_x.html", f"exercises/stage{n}.html"]
-    good += ["tutorials/10_serving.html", "serving.html", "stages/10_x.html", "tutorials/11_x.html",
-             "exercises/stage10.html", "stages/11_x.html", "tutorials/12_x.html", "exercises/stage11.html",
-             "stages/12_x.html", "tutorials/13_x.html", "exercises/stage12.html", "benchmarks.html", "api.html"]
+    good += ["tutorials/serving.html", "serving.html", "stages/10_x.html", "tutorials/10_x.html",
+             "exercises/stage10.html", "stages/11_x.html", "tutorials/11_x.html", "exercises/stage11.html",
+             "stages/12_x.html", "tutorials/12_x.html", "exercises/stage12.html", "benchmarks.html", "api.html"]
     _check_learners_path(good)
     swapped = good.copy()
     swapped[4], swapped[5] = swapped[5], swapped[4]  # tutorial 0 before its stage page
@@ -594,3 +596,58 @@ def test_search_finds_pages_in_each_language(page, query, found, served, browser
     results = WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda b: b.execute_script(
         "return [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)"))
     assert f"{served}/{found}" in [result.split("#")[0] for result in results], results[:8]
+
+
+CJK_CHAR = "[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]"
+SPACE_BETWEEN_CJK = re.compile(rf"{CJK_CHAR}\s+{CJK_CHAR}")
+
+
+class _ProseText(HTMLParser):
+    """A page's text outside ``pre``, ``code``, ``script`` and ``style``, each run of it within one
+    block (a paragraph, a cell, a list item): what reads as one line of prose."""
+
+    SKIP = {"pre", "code", "script", "style"}
+    INLINE = {"a", "em", "strong", "span", "b", "i", "sub", "sup", "mark", "abbr", "wbr", "kbd", "small"}
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.parts = 0, []
+
+    def handle_starttag(self, tag, attrs):
+        self.depth += tag in self.SKIP
+        if tag not in self.INLINE:
+            self.parts.append("\0")  # a block's edge, or code: no prose runs across it
+
+    def handle_endtag(self, tag):
+        self.depth -= tag in self.SKIP and self.depth > 0
+        if tag not in self.INLINE:
+            self.parts.append("\0")
+
+    def handle_data(self, data):
+        if not self.depth:
+            self.parts.append(data)
+
+
+def spaces_between_cjk(html: str) -> list[str]:
+    parser = _ProseText()
+    parser.feed(html)
+    text = "".join(parser.parts)
+    return [text[max(0, m.start() - 8):m.end() + 8] for m in SPACE_BETWEEN_CJK.finditer(text)]
+
+
+def test_the_cjk_check_finds_a_space_between_two_characters_and_the_hook_joins_the_lines():
+    found = spaces_between_cjk("<p>最后是面试官\n接下来</p><pre>代码 代码</pre><code>名 字</code>")
+    assert [hit.strip("\0") for hit in found] == ["最后是面试官\n接下来"]
+    assert not spaces_between_cjk("<p>用 <code>LLM</code> 生成，中文和 English 之间</p>")
+    joined = _hooks().join_cjk_lines("最后是面试官\n  接下来\n\n```\n代码\n代码\n```\n* 列表：\n* 第二项\n")
+    assert joined == "最后是面试官接下来\n\n```\n代码\n代码\n```\n* 列表：\n* 第二项\n"
+
+
+@docs
+def test_no_chinese_page_shows_a_space_between_two_cjk_characters(site):
+    """A line break inside a Chinese sentence renders as a space; the site's hooks join those lines."""
+    found = {}
+    for page in sorted((site / "zh").rglob("*.html")):
+        if (hits := spaces_between_cjk(page.read_text(encoding="utf-8"))):
+            found[page.relative_to(site).as_posix()] = hits[:3]
+    assert not found, found

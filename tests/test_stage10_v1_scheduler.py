@@ -371,3 +371,20 @@ def test_the_runner_drops_the_rows_of_finished_requests_even_when_no_step_follow
         llm.generate([{"prompt_token_ids": [i + 1, i + 2]} for i in range(4)], params, use_tqdm=False)
         assert llm.engine.step() == []  # nothing left to run
         assert set(llm.engine.runner.input_batch.req_ids) <= set(llm.scheduler.finished_req_ids)
+
+
+def test_the_persistent_batch_appends_new_tokens_after_the_rows_known_tokens_not_its_computed_ones():
+    """A row whose computed count differs from its known tokens (a prompt part computed, as under
+    prefix caching or a chunk): the update goes after the known tokens; the computed count is the
+    runner's to move, never the update's."""
+    from minipaged.stage10_model_runner import InputBatch
+    from minipaged.stage10_sched_output import CachedRequestData, NewRequestData
+
+    batch = InputBatch(max_num_reqs=2, max_model_len=32, max_blocks_per_req=8)
+    batch.add_request(NewRequestData("r", [5, 6, 7, 8, 9], [3, 4], num_computed_tokens=2))
+    batch.update_request(CachedRequestData("r", [11, 12], [7]))
+    row = batch.row_of["r"]
+    assert batch.token_ids[row, :7].tolist() == [5, 6, 7, 8, 9, 11, 12] and int(batch.num_tokens[row]) == 7
+    assert batch.block_table[row, :3].tolist() == [3, 4, 7] and int(batch.num_blocks[row]) == 3
+    assert int(batch.num_computed_tokens[row]) == 2
+

@@ -310,3 +310,41 @@ def test_serve_with_two_workers_answers_the_openai_client_and_503_once_a_worker_
     while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+
+def test_forks_under_swap_preemption_move_their_blocks_in_the_runners_order_on_every_rank():
+    """``n=2`` and a cache that swaps: a step may swap blocks out, swap others in, and copy a shared
+    block, and each rank must do them in that order, as the runner does."""
+    prompts = [PROMPTS[0][:10] + [i] for i in range(4)]
+    kwargs = dict(block_size=4, num_gpu_blocks=14, num_cpu_blocks=64, preemption_mode="swap", max_model_len=48)
+    params = SamplingParams(n=2, max_tokens=16, temperature=0.0, ignore_eos=True)
+    one = V0OneProcess("tiny", **kwargs)
+    expected = generate(one, prompts, params)
+    assert one.stats.scheduler.num_swapped_out_blocks > 0
+    with V0LLM("tiny", tensor_parallel_size=2, **kwargs) as llm:
+        got = generate(llm, prompts, params)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert [o.token_ids for o in ours.outputs] == [o.token_ids for o in theirs.outputs]
+
+
+def test_the_workers_attend_with_the_backend_the_llm_was_given():
+    """No output shows which backend ran; a spy on the steps sent to the workers does."""
+    with LLM("tiny", tensor_parallel_size=2, attention_backend="triton", block_size=4, num_gpu_blocks=32) as llm:
+        sent = []
+        execute = llm.executor.execute_model
+        llm.executor.execute_model = lambda step: sent.append(step.attention_backend) or execute(step)
+        generate(llm, [PROMPTS[0][:6]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert sent and set(sent) == {"triton"}
+
+
+def test_the_stand_in_gives_a_steps_rows_as_hidden_states_do():
+    """The runner may pick the rows it samples by ``hidden.index_select(0, rows)`` or by ``hidden[rows]``:
+    the model's stand-in answers both, with the same rows."""
+    from minipaged.stage11_tensor_parallel import StepHidden
+
+    rows = torch.tensor([2, 0])
+    hidden = torch.randn(3, 8)
+    assert torch.equal(hidden.index_select(0, rows), hidden[rows])
+    stand_in = StepHidden(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), None, None)
+    assert torch.equal(stand_in.index_select(0, rows).logits_indices, stand_in[rows].logits_indices)
+    assert stand_in[rows].hidden is stand_in

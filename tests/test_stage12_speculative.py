@@ -377,3 +377,47 @@ def test_serve_with_speculative_config_answers_and_counts_its_drafts_in_metrics(
     finally:
         process.terminate()
         process.wait(60)
+
+
+def test_seeded_requests_repeat_whatever_torchs_global_generator_holds():
+    """Every draw of a seeded request, the acceptance draws included, comes from its own generator. The
+    prompt repeats the model's own greedy continuation, so that drafts are often likely enough to be
+    accepted by a draw, not by certainty."""
+    start = LLM("tiny").tokenizer.encode(".. versionchanged::").ids
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt = start + run(Stage10LLM("tiny"), [start], greedy)[0].outputs[0].token_ids + start
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(24)]
+    runs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        llm = LLM("tiny", speculative_config=NGRAM)
+        runs.append([o.outputs[0].token_ids for o in run(llm, [prompt] * len(params), params)])
+        assert llm.stats.spec_decoding.num_accepted_tokens > 0
+    assert runs[0] == runs[1]
+
+
+def test_a_stop_token_among_the_accepted_drafts_ends_the_request_there():
+    """A stop token that comes inside a run of accepted drafts, not at its end: the output ends at it,
+    as stage 10's does, and the tokens accepted after it are dropped. The prompt repeats the model's
+    own greedy continuation, so that drafts are accepted."""
+    start = LLM("tiny").tokenizer.encode(".. versionchanged::").ids
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt = start + run(Stage10LLM("tiny"), [start], greedy)[0].outputs[0].token_ids + start
+    llm = LLM("tiny", speculative_config=NGRAM)
+    llm.engine.add_request("r", {"prompt_token_ids": prompt}, greedy)
+    seq, steps = llm.engine.requests["r"].seqs[0], []  # the tokens each step added
+    while llm.engine.has_unfinished_requests():
+        before = len(seq.output_token_ids)
+        llm.engine.step()
+        steps.append(seq.output_token_ids[before:])
+    output = [t for step in steps for t in step]
+    inside, at = [], 0
+    for step in steps:
+        inside += [t for j, t in enumerate(step[:-1]) if t not in output[:at + j]]  # a first appearance, more after
+        at += len(step)
+    assert inside, steps
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[inside[0]])
+    want = run(Stage10LLM("tiny"), [prompt], params)[0].outputs[0]
+    got = run(LLM("tiny", speculative_config=NGRAM), [prompt], params)[0].outputs[0]
+    assert (got.token_ids, got.finish_reason, got.stop_reason) == (want.token_ids, "stop", inside[0])
+    assert got.token_ids[-1] == inside[0] and len(got.token_ids) < len(output)

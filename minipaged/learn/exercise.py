@@ -81,8 +81,25 @@ def stage_files(package_dir: Path = PACKAGE_DIR) -> dict[int, list[Path]]:
 
 def files_to_write(stage: int, package_dir: Path = PACKAGE_DIR) -> list[Path]:
     """The files of a stage that hold solutions, the main file first: what its exercise stubs.
-    A stage's other files are read, not written (stage 7's engine loop)."""
-    return [path for path in stage_files(package_dir)[stage] if solution_regions(path.read_text(), str(path))]
+    A stage's other files are read, not written (stage 7's engine loop).
+
+    In the workspace of this stage's exercise the solutions' markers are gone (stubbed, then
+    the learner's code): there the files are those its mark file lists (``writes``)."""
+    paths = stage_files(package_dir)[stage]
+    stubbed = workspace_writes(Path(package_dir).parent)
+    if stubbed is not None and stubbed[0] == stage:
+        return [path for path in paths if path.name in stubbed[1]]
+    return [path for path in paths if solution_regions(path.read_text(), str(path))]
+
+
+def workspace_writes(directory: Path) -> tuple[int, list[str]] | None:
+    """The stage of an exercise workspace and the names of the files it stubbed (its mark file's
+    ``writes`` line); None for a folder that is no workspace, or one without the line."""
+    mark = Path(directory) / WORKSPACE_MARK
+    lines = mark.read_text().splitlines() if mark.is_file() else []
+    stage = edited_stage(directory)
+    writes = next((line.split()[1:] for line in lines[1:] if line.startswith("writes ")), None)
+    return None if stage is None or writes is None else (stage, writes)
 
 
 def tutorial_for(stage: int, repo_dir: Path = REPO_DIR) -> str:
@@ -373,7 +390,8 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
         sources.append((reference, stubbed))
     for notebook in sorted((out / "tutorials").glob("*.ipynb")):
         notebook.write_text(workspace_notebook(notebook.read_text(), sources))
-    names = [f"`minipaged/{path.name}`" for path in files_to_write(stage, repo_dir / "minipaged")]
+    written = files_to_write(stage, repo_dir / "minipaged")
+    names = [f"`minipaged/{path.name}`" for path in written]
     (out / "README.md").write_text(
         f"# Exercise {stage}\n\n"
         f"Fill in every `NotImplementedError` in {' and '.join(names)}.\n"
@@ -387,7 +405,8 @@ def make_workspace(stage: int, out: Path, force: bool = False, repo_dir: Path = 
         "workspace that holds your work.\n"
     )
     manifest = [f"{_digest(path)}  {name}" for name, path in _workspace_files(out).items()]
-    (out / WORKSPACE_MARK).write_text(f"stage {stage}\n" + "\n".join(manifest) + "\n")
+    writes = "writes " + " ".join(path.name for path in written)  # where the markers were: the grader hashes these
+    (out / WORKSPACE_MARK).write_text(f"stage {stage}\n{writes}\n" + "\n".join(manifest) + "\n")
     return out
 
 

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,10 +340,12 @@ def graded_files(directory: Path, stages: list[int]) -> dict[str, str]:
 
 
 def grade_report(directory: Path, stages: list[int] | None = None, extra_tests: Path | None = None,
-                 rubric: Rubric = RUBRIC, collect_only: bool = False) -> dict:
+                 rubric: Rubric = RUBRIC, collect_only: bool = False,
+                 progress: Callable[[dict], None] | None = None) -> dict:
     """Grade the workspace ``directory`` (every stage, or ``stages``), with a teacher's
     ``extra_tests`` beside its own; see the module's docstring. ``collect_only``: list the
-    tests and their points, run none."""
+    tests and their points, run none. The stages run one after the other; ``progress`` is
+    given each stage's row (as in ``report["stages"]``, scored) as soon as it is graded."""
     directory = Path(directory).resolve()
     if not (directory / "minipaged").is_dir():
         raise FileNotFoundError(f"{directory} holds no minipaged package: is it a workspace?")
@@ -363,13 +366,19 @@ def grade_report(directory: Path, stages: list[int] | None = None, extra_tests: 
             guard = {"package": str(root / "minipaged"), "tests": str(root / "tests"),
                      "reference": str(reference) if reference else None, "out": str(root / "guard.json"),
                      "learners": [str(root / "minipaged" / name) for name in _stage_names()]}
-            args = ["-m", " or ".join(f"stage{n}" for n in selected), *(["--collect-only"] if collect_only else [])]
-            records = run_tests(root, *args, env={"MINIPAGED_GUARD": json.dumps(guard)})
-            seen = json.loads((root / "guard.json").read_text()) if (root / "guard.json").is_file() else {}
-        report["environment"] = seen.get("environment", {})
-        if not collect_only:
-            refused.extend(seen.get("findings", []))
-        report["stages"] = _stages(records, selected, rubric, set(extra_names), report["environment"], collect_only)
+            groups = [selected] if collect_only else [[stage] for stage in selected]  # one run per stage
+            for group in groups:
+                args = ["-m", " or ".join(f"stage{n}" for n in group), *(["--collect-only"] if collect_only else [])]
+                records = run_tests(root, *args, env={"MINIPAGED_GUARD": json.dumps(guard)})
+                seen = json.loads((root / "guard.json").read_text()) if (root / "guard.json").is_file() else {}
+                report["environment"] = seen.get("environment", {}) or report["environment"]
+                if not collect_only:
+                    refused.extend(f for f in seen.get("findings", []) if f not in refused)
+                rows = _stages(records, group, rubric, set(extra_names), report["environment"], collect_only)
+                report["stages"].extend(rows)
+                if progress is not None:
+                    for row in rows:
+                        progress(_scored_row(row, rubric, bool(refused)))
     _score(report, selected, rubric)
     report["execution_time"] = round(time.monotonic() - started, 1)
     return report
@@ -394,6 +403,30 @@ def _stages(records: dict[str, dict], selected: list[int], rubric: Rubric, extra
     return rows
 
 
+def _scored_row(row: dict, rubric: Rubric, refused: bool) -> dict:
+    """A stage's row with its counts, status and points (see ``_score``)."""
+    tests, stage = row["tests"], row["stage"]
+    counts = {s: sum(t["status"] == s for t in tests) for s in ("passed", "failed", "skipped", "blocked")}
+    worth = rubric.points.get(stage, 0.0)
+    if refused:
+        status = "refused"
+        for test in tests:
+            test["score"] = 0.0
+    elif not tests or all(t["status"] == "collected" for t in tests):
+        status = "no tests" if not tests else "collected"
+    elif counts["failed"] + counts["skipped"] == 0:
+        status = "complete" if counts["passed"] else "blocked"
+    else:
+        status = "not started" if counts["passed"] == 0 else "in progress"
+    weights = {s: sum(t["weight"] for t in tests if t["status"] == s) for s in ("passed", "blocked")}
+    total = sum(t["weight"] for t in tests)
+    earned, blocked = (worth * weights[s] / total if total else 0.0 for s in ("passed", "blocked"))
+    earned = 0.0 if refused else earned
+    row.update({"points": worth, "max_points": round(worth - blocked, 4), "blocked_points": round(blocked, 4),
+                "score": round(earned, 4), "status": status, **counts})
+    return row
+
+
 def _score(report: dict, selected: list[int], rubric: Rubric) -> None:
     """Each stage's score and status, and the total; a refused submission scores nothing.
 
@@ -402,26 +435,7 @@ def _score(report: dict, selected: list[int], rubric: Rubric) -> None:
     refused = bool(report["refused"])
     by_stage = {row["stage"]: row for row in report["stages"]}
     for stage in selected:
-        row = by_stage.setdefault(stage, {"stage": stage, "tests": []})
-        tests = row["tests"]
-        counts = {s: sum(t["status"] == s for t in tests) for s in ("passed", "failed", "skipped", "blocked")}
-        worth = rubric.points.get(stage, 0.0)
-        if refused:
-            status = "refused"
-            for test in tests:
-                test["score"] = 0.0
-        elif not tests or all(t["status"] == "collected" for t in tests):
-            status = "no tests" if not tests else "collected"
-        elif counts["failed"] + counts["skipped"] == 0:
-            status = "complete" if counts["passed"] else "blocked"
-        else:
-            status = "not started" if counts["passed"] == 0 else "in progress"
-        weights = {s: sum(t["weight"] for t in tests if t["status"] == s) for s in ("passed", "blocked")}
-        total = sum(t["weight"] for t in tests)
-        earned, blocked = (worth * weights[s] / total if total else 0.0 for s in ("passed", "blocked"))
-        earned = 0.0 if refused else earned
-        row.update({"points": worth, "max_points": round(worth - blocked, 4), "blocked_points": round(blocked, 4),
-                    "score": round(earned, 4), "status": status, **counts})
+        _scored_row(by_stage.setdefault(stage, {"stage": stage, "tests": []}), rubric, refused)
     report["stages"] = [by_stage[s] for s in selected]
     report["score"] = round(sum(row["score"] for row in report["stages"]), 4)
     report["max_score"] = round(sum(row["max_points"] for row in report["stages"]), 4)
@@ -466,11 +480,13 @@ def format_grades(rows: list[StageResult], edited: int | None = None, show: int 
     failing stage is named as the likely cause: every stage builds on the ones below it.
     """
     lines = [f"{'stage':<6} {'passed':>10}  status", "-" * 32]
+    mistakes = known_mistakes()
     for row in rows:
-        lines.append(f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}  {row.status}")
+        lines.append(format_row(row))
         for nodeid in row.failures[:show]:
             lines.append(f"{'':<8}failed: {nodeid}")
             lines.extend(f"{'':<10}{reason}" for reason in row.reasons.get(nodeid, []))
+            lines.extend(f"{'':<10}a known mistake that fails it: {name}" for name in mistakes.get(nodeid, []))
         if len(row.failures) > show:
             lines.append(f"{'':<8}... and {len(row.failures) - show} more")
     failing = [row.stage for row in rows if row.failures]
@@ -480,6 +496,21 @@ def format_grades(rows: list[StageResult], edited: int | None = None, show: int 
         lines.append(f"likely cause: stage {lowest} ({cause}); every stage builds on the ones below it, "
                      f"so fix the lowest failing stage first")
     return "\n".join(lines)
+
+
+def format_row(row: StageResult) -> str:
+    """A stage's line of the grade table: its passed tests out of those that ran, its blocked ones beside."""
+    blocked = f" (+{row.blocked} blocked)" if row.blocked else ""
+    return f"{row.stage:<6} {f'{row.passed}/{row.total}':>10}{blocked}  {row.status}"
+
+
+KNOWN_MISTAKES_FILE = Path(__file__).with_name("known_mistakes.json")
+
+
+def known_mistakes(path: Path = KNOWN_MISTAKES_FILE) -> dict[str, list[str]]:
+    """For each test, the plausible mistakes (the mutant catalogue's, by name) it was seen to catch first:
+    what a failure of it most likely means. Names only: they describe the mistake, never the solution."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def _points(x: float) -> str:
@@ -492,12 +523,12 @@ def format_report(report: dict) -> str:
     for blocked tests, and any refusal."""
     lines = [format_grades(rows(report), report["workspace_stage"])] if not report["refused"] else []
     for row in report["stages"]:
-        held = (f" ({_points(row['blocked_points'])} held back of its {_points(row['points'])}: {row['blocked']} "
-                "blocked, for want of a GPU, Triton or a tool here)") if row["blocked"] else ""
-        lines.append(f"stage {row['stage']}: {_points(row['score'])}/{_points(row['max_points'])} points{held}")
+        held = (f" ({_points(row['blocked_points'])} held back: {row['blocked']} tests blocked, for want of a GPU, "
+                "Triton or a tool here)") if row["blocked"] else ""
+        lines.append(f"stage {row['stage']}: {_points(row['score'])}/{_points(row['points'])} points{held}")
     held = f" ({_points(report['blocked_points'])} held back: grade again where the blocked tests run)" \
         if report["blocked_points"] else ""
-    lines.append(f"score: {_points(report['score'])}/{_points(report['max_score'])} points{held}")
+    lines.append(f"score: {_points(report['score'])}/{_points(report['points'])} points{held}")
     if report["refused"]:
         lines.append("refused, no points:")
         lines.extend(f"  {r['where']}: {r['reason']}" for r in report["refused"])

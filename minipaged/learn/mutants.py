@@ -445,7 +445,21 @@ CATALOGUE: list[Mutant] = [
                                                             "")),
     m(10, "async scheduling launches the next step before it appends the tokens it feeds back", (
         _RECORD + _LAUNCH, _LAUNCH + _RECORD)),
+    m(10, "a placeholder past the request's last token", (
+        "last = len(seq.output_token_ids) + 1 >= request.max_tokens or len(seq) + 1 >= self.max_model_len",
+        "last = len(seq) + 1 >= self.max_model_len")),
+    m(10, "a placeholder at a request's first decode since its admission", (
+        "return 0 if last or len(seq) == self.admitted_len[request.request_id] else 1", "return 0 if last else 1")),
+    m(10, "the persistent batch writes new tokens at the computed count", (
+        "t, b = self.num_tokens[row], self.num_blocks[row]",
+        "t, b = self.num_computed_tokens[row], self.num_blocks[row]")),
     # stage 11: tensor parallelism
+    m(11, "a worker copies blocks before it swaps in", (
+        "        self.cache.swap_in(step.blocks_to_swap_in)\n        self.cache.copy_blocks(step.blocks_to_copy)\n",
+        "        self.cache.copy_blocks(step.blocks_to_copy)\n        self.cache.swap_in(step.blocks_to_swap_in)\n")),
+    m(11, "the workers attend with the reference whatever the LLM was given", (
+        "logits_indices=rows.logits_indices.cpu().numpy(), attention_backend=self.attention_backend,",
+        "logits_indices=rows.logits_indices.cpu().numpy(), attention_backend=\"ref\",")),
     m(11, "block copies on rank 0 only", ("self.cache.copy_blocks(step.blocks_to_copy)",
                                          "self.cache.copy_blocks(step.blocks_to_copy if self.rank == 0 else [])")),
     m(11, "swap-ins on rank 0 only", ("self.cache.swap_in(step.blocks_to_swap_in)",
@@ -480,6 +494,11 @@ CATALOGUE: list[Mutant] = [
     m(12, "the scheduler counts the rejected drafts computed", (
         "seq.num_computed_tokens = len(seq) - 1  # the rejected drafts' K/V are past the tokens: never read",
         "seq.num_computed_tokens = seq.num_computed_tokens")),
+    m(12, "the acceptance draw uses torch's global generator", (
+        "if float(torch.rand(1, generator=generator, device=p.device)) < min(",
+        "if float(torch.rand(1, device=p.device)) < min(")),
+    m(12, "a stop among the accepted tokens does not end the request", (
+        "            if request.is_finished():\n                break\n", "")),
 ]
 
 
@@ -518,6 +537,16 @@ def record_killers(results: list[MutantResult], path: Path = KILLED_BY_FILE,
     killers.update({mutant_key(r.mutant): r.killed_by for r in results
                     if r.killed_by is not None and names_a_test(r.killed_by)})
     path.write_text(json.dumps(dict(sorted(killers.items())), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_known_mistakes(killers, path.with_name("known_mistakes.json"))
+
+
+def write_known_mistakes(killers: dict[str, str], path: Path) -> None:
+    """The grader's hints: for each test that killed mutants first, their names (the mistakes), never a patch."""
+    by_test: dict[str, list[str]] = {}
+    for key, test in sorted(killers.items()):
+        if names_a_test(test):
+            by_test.setdefault(test, []).append(key.split(": ", 1)[1])
+    path.write_text(json.dumps(dict(sorted(by_test.items())), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def stage_sources(stage: int, package_dir: Path) -> dict[str, str]:
