@@ -324,7 +324,8 @@ class _Parser(argparse.ArgumentParser):
     """A subcommand's parser: every option's default shown in its help."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, formatter_class=DefaultsHelpFormatter, **kwargs)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

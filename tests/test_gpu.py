@@ -150,3 +150,18 @@ def test_the_server_answers_on_cuda():
                                                      "temperature": 0.0})
     assert reply.status_code == 200
     assert reply.json()["choices"][0]["text"] == expected.outputs[0].text
+
+
+@pytest.mark.parametrize("options", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+    {"async_scheduling": True},
+    {"enable_prefix_caching": False, "max_num_batched_tokens": 8},
+    {"scheduler": "v0", "enable_prefix_caching": True},
+], ids=["drafts", "async", "chunks-without-prefix-caching", "v0-prefix-caching"])
+def test_the_parts_a_configuration_chooses_combine_on_cuda(checkpoints, options):
+    """The engine composed with drafts, async stepping, small chunks or V0's scheduler: float32 greedy
+    tokens equal to transformers' on the device, as the plain engine's are."""
+    llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="float32", attention_backend="triton",
+              num_gpu_blocks=64, block_size=8, **options)
+    hf = hf_model(checkpoints["llama"], torch.float32)
+    assert ours(llm) == [hf_greedy(hf, p) for p in PROMPTS]
