@@ -245,6 +245,7 @@ def run_minipaged(args, path: Path, batch: int, max_len: int, prompts, outputs) 
     cache holds every running request at its longest: no preemption, as in the peers' caches."""
     device = torch.device(args.device)
     options = {"async_scheduling": True} if args.async_scheduling else {}
+    options["enforce_eager"] = args.enforce_eager
     llm = LLM(str(path), stage=ENGINES[args.engine], max_num_seqs=batch, max_model_len=max_len, block_size=BLOCK_SIZE,
               num_gpu_blocks=batch * -(-max_len // BLOCK_SIZE), device=args.device, dtype=dtype_for(args),
               attention_backend="triton" if device.type == "cuda" else "ref", **options)
@@ -338,6 +339,8 @@ def parse_args():
     parser.add_argument("--model", choices=sorted(WORKLOADS),
                         help="sharegpt's model (default: tiny); steady runs on qwen2.5-0.5b-shaped")
     parser.add_argument("--engine", default="stage10", choices=sorted(ENGINES), help="minipaged's LLM (stage10)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs for minipaged's decode steps (on CUDA they replay one by default)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="stage 10's async_scheduling=True (schedule a step while the one before runs)")
     parser.add_argument("--batch", type=int, help="max_num_seqs and the peers' batch size (default: 16, 32, 64; "

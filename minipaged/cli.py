@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
           num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-          **_given(args, "max_num_batched_tokens", "enable_prefix_caching"),
+          **_given(args, "max_num_batched_tokens", "enable_prefix_caching"), enforce_eager=args.enforce_eager,
           logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
@@ -173,7 +173,8 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              scheduler="v0", **_given(args, "max_num_batched_tokens", "enable_prefix_caching"))
+              scheduler="v0", enforce_eager=args.enforce_eager,
+              **_given(args, "max_num_batched_tokens", "enable_prefix_caching"))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     for out in llm.generate(args.prompt, [params] * len(args.prompt), use_tqdm=False):
@@ -200,6 +201,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of shared prefixes (default: on under --scheduler v1, off under v0)")
     p.add_argument("--max-num-batched-tokens", type=int, help="the tokens one step may compute (the token budget)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step launched kernel by kernel (on CUDA with --attention-backend "
+                        "triton, decode steps otherwise replay a graph)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
 
 

@@ -12,6 +12,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | runner | ``scheduler``, and drafts to verify | 7, 10, 12 |
 | engine (the loop) | ``scheduler``, ``stage``, ``async_scheduling``, ``speculative_config`` | 7, 8, 9, 10, 12 |
 | proposer | ``speculative_config``: none, or n-gram | 12 |
+| decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
 runs stage 7's loop, without the sharing of stage 8 or the options of the stages above it.
@@ -46,6 +47,7 @@ from minipaged.models import (
     load_tokenizer,
     resolve_model_path,
 )
+from minipaged.models.cuda_graphs import CUDAGraphModel
 from minipaged.models.parallel import check_tensor_parallel
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage6_scheduler import Scheduler
@@ -144,8 +146,11 @@ class LLM:
             self.executor, model, cache = start_tensor_parallel(c, mc, path)
             return model, cache
         model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
-        cache = SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks, c.block_size, mc.num_kv_heads, mc.head_dim,
-                                 self.dtype, self.device, c.num_cpu_blocks)
+        scratch = 1 if c.uses_cuda_graphs else 0  # a block no sequence is given: the graphs' padded rows write there
+        cache = SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads,
+                                 mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
+        if c.uses_cuda_graphs:
+            model = CUDAGraphModel(model, cache, backend_named(c.attention_backend), c.max_num_seqs, c.max_model_len)
         return model, cache
 
     def build_runner(self) -> ModelRunner | V1ModelRunner:

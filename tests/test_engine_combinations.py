@@ -4,6 +4,7 @@ combinations that work (each equal to its reference), and those refused before a
 import dataclasses
 
 import pytest
+import torch
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 import minipaged.llm
@@ -18,7 +19,7 @@ from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager, Pref
 from minipaged.stage10_async_scheduling import AsyncScheduler, AsyncV1Engine
 from minipaged.stage10_model_runner import V1ModelRunner
 from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler
-from minipaged.stage11_tensor_parallel import RemoteKVCache, TensorParallelModel
+from minipaged.stage11_tensor_parallel import RemoteKVCache, StepHidden, TensorParallelModel
 from minipaged.stage12_rejection_sampler import NgramProposer
 from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
 
@@ -195,3 +196,17 @@ def test_preemption_under_v0_swaps_or_recomputes_and_keeps_the_outputs(mode):
 @pytest.mark.stage10
 def test_preemption_under_v1_recomputes_and_keeps_the_outputs():
     preemption_keeps_the_outputs("v1", "recompute")
+
+
+@pytest.mark.common
+def test_the_stand_in_gives_a_steps_rows_as_hidden_states_do():
+    """The runner may pick the rows it samples by ``hidden.index_select(0, rows)`` or by ``hidden[rows]``:
+    the model's stand-in answers both, with the same rows."""
+
+
+    rows = torch.tensor([2, 0])
+    hidden = torch.randn(3, 8)
+    assert torch.equal(hidden.index_select(0, rows), hidden[rows])
+    stand_in = StepHidden(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), None, None)
+    assert torch.equal(stand_in.index_select(0, rows).logits_indices, stand_in[rows].logits_indices)
+    assert stand_in[rows].hidden is stand_in

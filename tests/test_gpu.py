@@ -145,7 +145,7 @@ def test_the_server_answers_on_cuda():
 
     llm = LLM("tiny", device="cuda", attention_backend="triton", num_gpu_blocks=256)
     expected = llm.generate(["The cat"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0]
-    with TestClient(build_app(llm)) as client:
+    with TestClient(build_app(llm), base_url="http://127.0.0.1") as client:  # the server answers loopback only
         reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "The cat", "max_tokens": 8,
                                                      "temperature": 0.0})
     assert reply.status_code == 200
@@ -165,3 +165,16 @@ def test_the_parts_a_configuration_chooses_combine_on_cuda(checkpoints, options)
               num_gpu_blocks=64, block_size=8, **options)
     hf = hf_model(checkpoints["llama"], torch.float32)
     assert ours(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+
+
+def test_decode_steps_replayed_from_cuda_graphs_give_the_tokens_of_eager_ones():
+    """vLLM's default on CUDA: decode steps replay a graph of their batch-size bucket; outputs token for
+    token those of eager execution, for batches that shrink through every bucket."""
+    prompts = [{"prompt_token_ids": [5 + i, 17, 90, 3, 42][: 1 + i % 5]} for i in range(21)]
+    params = [SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True) for i in range(21)]
+    kwargs = dict(device="cuda", attention_backend="triton", num_gpu_blocks=256, max_num_seqs=24, max_model_len=64)
+    eager = LLM("tiny", enforce_eager=True, **kwargs)
+    graphs = LLM("tiny", **kwargs)
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert graphs.model.replays > 0 and graphs.model.sizes == [1, 2, 4, 8, 16, 24]

@@ -96,10 +96,10 @@ def test_serve_flags_are_vllms_and_reach_the_engine_config(monkeypatch, spelling
     backend, caching = names[spelling]
     with pytest.raises(Built) as built:
         main(["serve", "--port", str(free_port()), "--threads", "1", "--scheduler", "v1", backend, "triton", caching,
-              "--max-num-batched-tokens", "96", "--gpu-memory-utilization", "0.5"])
+              "--max-num-batched-tokens", "96", "--gpu-memory-utilization", "0.5", "--enforce-eager"])
     config = built.value.args[0].config
     assert (config.attention_backend, config.enable_prefix_caching) == ("triton", True)
-    assert (config.max_num_batched_tokens, config.gpu_memory_utilization) == (96, 0.5)
+    assert (config.max_num_batched_tokens, config.gpu_memory_utilization, config.enforce_eager) == (96, 0.5, True)
 
 
 def test_an_async_scheduling_server_streams_what_generate_gives():
@@ -127,3 +127,15 @@ def test_serve_v1_refuses_swap_before_serving(monkeypatch):
         minipaged.serving.server.serve("tiny", port=free_port(), scheduler="v1", preemption_mode="recompute")
     with pytest.raises(ValueError):
         minipaged.serving.server.serve("tiny", port=free_port(), scheduler="v2")
+
+
+def test_prefix_caching_is_on_under_v1_unless_no_enable_prefix_caching_says_otherwise(monkeypatch):
+    """vLLM V1's default, and its flag to turn it off."""
+    def build_app(llm, *args, **kwargs):
+        raise Built(llm)
+
+    monkeypatch.setattr(minipaged.serving.server, "build_app", build_app)
+    for flags, expected in (([], True), (["--no-enable-prefix-caching"], False)):
+        with pytest.raises(Built) as built:
+            main(["serve", "--port", str(free_port()), "--threads", "1", "--scheduler", "v1", *flags])
+        assert built.value.args[0].config.enable_prefix_caching is expected

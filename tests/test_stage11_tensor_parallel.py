@@ -336,15 +336,3 @@ def test_the_workers_attend_with_the_backend_the_llm_was_given():
         generate(llm, [PROMPTS[0][:6]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert sent and set(sent) == {"triton"}
 
-
-def test_the_stand_in_gives_a_steps_rows_as_hidden_states_do():
-    """The runner may pick the rows it samples by ``hidden.index_select(0, rows)`` or by ``hidden[rows]``:
-    the model's stand-in answers both, with the same rows."""
-    from minipaged.stage11_tensor_parallel import StepHidden
-
-    rows = torch.tensor([2, 0])
-    hidden = torch.randn(3, 8)
-    assert torch.equal(hidden.index_select(0, rows), hidden[rows])
-    stand_in = StepHidden(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), None, None)
-    assert torch.equal(stand_in.index_select(0, rows).logits_indices, stand_in[rows].logits_indices)
-    assert stand_in[rows].hidden is stand_in

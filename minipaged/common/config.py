@@ -84,6 +84,7 @@ class EngineConfig:
     scheduler: str | None = None  # "v0" or "v1"; None: V1 from stage 10 on, else V0
     async_scheduling: bool = False  # schedule step N + 1 while step N runs (V1)
     attention_backend: str = "ref"
+    enforce_eager: bool = False  # vLLM's: no CUDA graphs (on a CPU, or with the ref backend, always eager)
     logprobs_mode: str = "raw_logprobs"  # what a sampled token's logprobs are: see Sampler
     tensor_parallel_size: int = 1  # workers that each hold a shard of the model (stage 11)
     distributed_executor_backend: str | None = None  # how they start: "mp" (the default) or "external_launcher"
@@ -119,7 +120,7 @@ class EngineConfig:
         check_choice("scheduler", self.scheduler, SCHEDULERS)
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.scheduler == "v1")
-        for flag in ("enable_prefix_caching", "async_scheduling"):
+        for flag in ("enable_prefix_caching", "async_scheduling", "enforce_eager"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.model, str | os.PathLike):
@@ -161,6 +162,13 @@ class EngineConfig:
         with neither ``num_gpu_blocks`` nor ``kv_cache_memory`` given."""
         return (torch.device(self.device).type == "cuda" and self.num_gpu_blocks is None
                 and self.kv_cache_memory is None and self.tensor_parallel_size == 1)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (``minipaged.models.cuda_graphs``): on CUDA, with the
+        Triton kernels, in one process, unless ``enforce_eager``."""
+        return (torch.device(self.device).type == "cuda" and not self.enforce_eager
+                and self.attention_backend == "triton" and self.tensor_parallel_size == 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:
