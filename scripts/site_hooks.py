@@ -139,12 +139,36 @@ def join_cjk_lines(markdown: str) -> str:
     return "".join(parts) + (text if fenced else CJK_LINE_BREAK.sub("", text))
 
 
+INLINE_TAGS = r"(?:</?(?:a|em|strong|span|b|i|sup|sub|mark|abbr|small)\b[^>]*>)*"
+CJK_SPACE = re.compile(rf"(?<=[{CJK}])({INLINE_TAGS})\s+({INLINE_TAGS})(?=[{CJK}])")
+VERBATIM = re.compile(r"(<(pre|code|script|style)\b.*?</\2>)", re.S)
+
+
+def close_cjk_spaces(html: str) -> str:
+    """The whitespace left between two CJK characters in prose, across inline tags too (a link's
+    text and the word after it), removed; ``pre``, ``code``, ``script`` and ``style`` kept as they are."""
+    parts = VERBATIM.split(html)
+    # split keeps each verbatim element (and its tag name): text, element, name, text, element, name, ...
+    out = []
+    for i, part in enumerate(parts):
+        kind = i % 3
+        if kind == 0:
+            out.append(CJK_SPACE.sub(r"\1\2", part))
+        elif kind == 1:
+            out.append(part)
+    return "".join(out)
+
+
+def _is_chinese(page) -> bool:
+    return any(str(path).endswith(".zh.md") for path in (page.file.src_uri, page.file.abs_src_path or ""))
+
+
 def on_page_markdown(markdown: str, page, config, files):
-    return join_cjk_lines(markdown) if page.file.src_uri.endswith(".zh.md") else markdown
+    return join_cjk_lines(markdown) if _is_chinese(page) else markdown
 
 
 def on_page_content(html: str, page, config, files):
-    html = _breakable_names(html)
+    html = _breakable_names(close_cjk_spaces(html) if _is_chinese(page) else html)
     if not _is_notebook(page):
         return html
     page.meta.setdefault("hide", []).append("toc")
