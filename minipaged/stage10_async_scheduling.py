@@ -84,15 +84,11 @@ class AsyncScheduler(V1Scheduler):
 
     def finish(self, seq: Sequence) -> None:
         """V1's; a sequence preempted while its last step ran finishes from ``waiting``, holding no block."""
-        request = self.request_of(seq)
-        self.admitted_len.pop(request.request_id, None)
         if seq.status is SequenceStatus.RUNNING:
+            self.admitted_len.pop(self.request_of(seq).request_id, None)
             super().finish(seq)
-            return
-        self.waiting.remove(request)
-        seq.status = SequenceStatus.FINISHED
-        self.finished_req_ids.append(request.request_id)
-        self.num_tokens_sent.pop(request.request_id, None)
+        else:  # out of waiting, its row dropped: what an abort does to a request that holds no block
+            self.abort(self.request_of(seq).request_id)
 
     def abort(self, request_id: Hashable) -> bool:
         self.admitted_len.pop(request_id, None)

@@ -345,16 +345,18 @@ def start_tensor_parallel(config: ResolvedEngineConfig, model_config: ModelConfi
     the executor and the driver's stand-ins for the model and the cache, which the runner of stage 7
     or 10 calls as it calls the real ones."""
     c = config
-    worker_config = WorkerConfig(str(path), str(c.torch_dtype).removeprefix("torch."), str(c.device), c.block_size,
-                                 c.num_gpu_blocks, c.num_cpu_blocks, c.tensor_parallel_size)
     external = c.distributed_executor_backend == "external_launcher"
-    executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config)
+    executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config(c, path))
     cache = RemoteKVCache(executor, model_config, torch.device(c.device), c.num_gpu_blocks, c.block_size)
     return executor, TensorParallelModel(executor, c.attention_backend), cache
 
 
+def worker_config(config: ResolvedEngineConfig, path: Path) -> WorkerConfig:
+    """What every worker is started with: the model's folder, and the engine's dtype, device and cache sizes."""
+    return WorkerConfig(str(path), str(config.torch_dtype).removeprefix("torch."), str(config.device),
+                        config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.tensor_parallel_size)
+
+
 def follow_rank_0_of(config: ResolvedEngineConfig, path: Path, rank: int) -> None:
     """Under ``torchrun``, a rank other than 0: load its shard and follow rank 0 until it shuts down."""
-    follow_rank_0(WorkerConfig(str(path), str(config.torch_dtype).removeprefix("torch."), str(config.device),
-                               config.block_size, config.num_gpu_blocks, config.num_cpu_blocks,
-                               config.tensor_parallel_size), rank)
+    follow_rank_0(worker_config(config, path), rank)

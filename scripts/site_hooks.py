@@ -119,52 +119,23 @@ def _breakable_names(html: str) -> str:
 
 
 CJK = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef"  # CJK punctuation, ideographs, full-width forms
-CJK_LINE_BREAK = re.compile(rf"(?<=[{CJK}])[ \t]*\n[ \t]*(?=[{CJK}])")
-FENCE = re.compile(r"^[ \t]*(```|~~~)")
-
-
-def join_cjk_lines(markdown: str) -> str:
-    """Chinese source lines are wrapped where an English line would be; a browser shows each line
-    break as a space, which Chinese puts between no two characters. Join the lines where a break
-    falls between two CJK characters, outside fenced code (a new block never starts with one)."""
-    parts, block, fenced = [], [], False
-    for line in markdown.splitlines(keepends=True):
-        if FENCE.match(line):  # a fence opens or closes: the text before it is done
-            text = "".join(block)
-            parts += [text if fenced else CJK_LINE_BREAK.sub("", text), line]
-            block, fenced = [], not fenced
-        else:
-            block.append(line)
-    text = "".join(block)
-    return "".join(parts) + (text if fenced else CJK_LINE_BREAK.sub("", text))
-
-
 INLINE_TAGS = r"(?:</?(?:a|em|strong|span|b|i|sup|sub|mark|abbr|small)\b[^>]*>)*"
 CJK_SPACE = re.compile(rf"(?<=[{CJK}])({INLINE_TAGS})\s+({INLINE_TAGS})(?=[{CJK}])")
 VERBATIM = re.compile(r"(<(pre|code|script|style)\b.*?</\2>)", re.S)
 
 
 def close_cjk_spaces(html: str) -> str:
-    """The whitespace left between two CJK characters in prose, across inline tags too (a link's
-    text and the word after it), removed; ``pre``, ``code``, ``script`` and ``style`` kept as they are."""
-    parts = VERBATIM.split(html)
-    # split keeps each verbatim element (and its tag name): text, element, name, text, element, name, ...
-    out = []
-    for i, part in enumerate(parts):
-        kind = i % 3
-        if kind == 0:
-            out.append(CJK_SPACE.sub(r"\1\2", part))
-        elif kind == 1:
-            out.append(part)
-    return "".join(out)
+    """The whitespace between two CJK characters in prose removed, across inline tags too (a link's
+    text and the word after it). Chinese sources are wrapped where an English line would be, and a
+    browser shows each line break as a space, which Chinese puts between no two characters.
+    ``pre``, ``code``, ``script`` and ``style`` are kept as they are."""
+    parts = VERBATIM.split(html)  # text, verbatim element, its tag's name, text, ...
+    return "".join(CJK_SPACE.sub(r"\1\2", part) if i % 3 == 0 else part
+                   for i, part in enumerate(parts) if i % 3 != 2)
 
 
 def _is_chinese(page) -> bool:
     return any(str(path).endswith(".zh.md") for path in (page.file.src_uri, page.file.abs_src_path or ""))
-
-
-def on_page_markdown(markdown: str, page, config, files):
-    return join_cjk_lines(markdown) if _is_chinese(page) else markdown
 
 
 def on_page_content(html: str, page, config, files):

@@ -77,3 +77,20 @@ def test_a_prefill_or_a_chunk_runs_eagerly(graphs_on_a_cpu):
     assert llm.model.replays == 0  # chunks of 3, then nothing to decode
     llm.generate([{"prompt_token_ids": [5, 17]}], SamplingParams(max_tokens=3), use_tqdm=False)
     assert llm.model.replays == 2  # the prompt eagerly, then two decodes replayed
+
+
+def test_a_replayed_step_reads_nothing_back_beyond_the_samplers_one_copy(graphs_on_a_cpu):
+    """The step's inputs go into the graph's buffers device to device: the forward still reads nothing
+    back, and the step reads the device once (the sampled tokens), as an eager step does."""
+    from helpers_device import count_host_syncs
+
+    llm = LLM("tiny", stage=10, num_gpu_blocks=32, block_size=4, max_num_seqs=4, max_model_len=32)
+    for i in range(3):
+        llm.engine.add_request(i, {"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(max_tokens=8, temperature=0.5))
+    llm.engine.step()  # the prompts, eagerly
+    replays = llm.model.replays
+    with count_host_syncs(llm.model.model) as count:
+        llm.engine.step()
+    assert llm.model.replays == replays + 1
+    assert count.forward == 0, dict(count.in_forward)
+    assert count.total == 1, dict(count.calls)

@@ -639,8 +639,11 @@ def test_the_cjk_check_finds_a_space_between_two_characters_and_the_hook_joins_t
     found = spaces_between_cjk("<p>最后是面试官\n接下来</p><pre>代码 代码</pre><code>名 字</code>")
     assert [hit.strip("\0") for hit in found] == ["最后是面试官\n接下来"]
     assert not spaces_between_cjk("<p>用 <code>LLM</code> 生成，中文和 English 之间</p>")
-    joined = _hooks().join_cjk_lines("最后是面试官\n  接下来\n\n```\n代码\n代码\n```\n* 列表：\n* 第二项\n")
-    assert joined == "最后是面试官接下来\n\n```\n代码\n代码\n```\n* 列表：\n* 第二项\n"
+    closed = _hooks().close_cjk_spaces('<p>最后是面试官\n  接下来，<a href="x">块分配器</a> 和 stage 页。 一个</p>'
+                                       "<pre>代码 代码</pre><p><code>名 字</code> 用时 约</p>")
+    assert closed == ('<p>最后是面试官接下来，<a href="x">块分配器</a>和 stage 页。一个</p>'
+                      "<pre>代码 代码</pre><p><code>名 字</code> 用时约</p>")
+    assert not spaces_between_cjk(closed)
 
 
 @docs

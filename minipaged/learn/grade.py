@@ -374,10 +374,10 @@ def grade_report(directory: Path, stages: list[int] | None = None, extra_tests: 
                 report["environment"] = seen.get("environment", {}) or report["environment"]
                 if not collect_only:
                     refused.extend(f for f in seen.get("findings", []) if f not in refused)
-                rows = _stages(records, group, rubric, set(extra_names), report["environment"], collect_only)
-                report["stages"].extend(rows)
+                graded = _stages(records, group, rubric, set(extra_names), report["environment"], collect_only)
+                report["stages"].extend(graded)
                 if progress is not None:
-                    for row in rows:
+                    for row in graded:
                         progress(_scored_row(row, rubric, bool(refused)))
     _score(report, selected, rubric)
     report["execution_time"] = round(time.monotonic() - started, 1)

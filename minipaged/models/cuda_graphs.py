@@ -86,7 +86,7 @@ class CUDAGraphModel:
         """A decode step of at most the largest size: its inputs copied into the buffers (device to
         device, nothing read back), the graph of the next size up replayed; any other step, eagerly."""
         n = input_ids.shape[0]
-        if meta.query_start_loc is not None or n > self.sizes[-1] or n == 0 or meta.max_seq_len > self.max_model_len:
+        if meta.query_start_loc is not None or n > self.sizes[-1]:
             return self.model(input_ids, positions, cache, meta)
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n] = input_ids
