@@ -234,7 +234,8 @@ def _add_learning_commands(sub) -> None:
 
     p = sub.add_parser("kernels", help="compile stage 5's kernels for A100/H100 and read what the compiler made")
     p.add_argument("--target", default="sm_80,sm_90", help="comma-separated: sm_80 (A100), sm_90 (H100, H200)")
-    p.add_argument("--dtype", default="bf16,fp16", help="comma-separated: bf16, fp16")
+    p.add_argument("--dtype", default="bf16,fp16",
+                   help="comma-separated: bf16, fp16, fp8 (bf16 queries over an e4m3 cache: sm_90 only)")
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the whole table")
     p.add_argument("--json", help="also write the table to this file")
     p.add_argument("--no-divisibility", action="store_true",

@@ -12,6 +12,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | runner | ``scheduler``, and drafts to verify | 7, 10, 12 |
 | engine (the loop) | ``scheduler``, ``stage``, ``async_scheduling``, ``speculative_config`` | 7, 8, 9, 10, 12 |
 | proposer | ``speculative_config``: none, or n-gram | 12 |
+| K/V storage and attention | ``kv_cache_dtype``: the model's dtype, or e4m3 with per-layer scales | 6, 13 |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
@@ -62,6 +63,7 @@ from minipaged.stage10_v1_scheduler import KVCacheManager, V1Engine, V1Scheduler
 from minipaged.stage11_tensor_parallel import Executor, follow_rank_0_of, start_tensor_parallel
 from minipaged.stage12_rejection_sampler import NgramProposer
 from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
+from minipaged.stage13_fp8_kv_cache import FP8_BACKENDS, FP8Attention, FP8PagedKVCache, check_fp8_supported
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -89,6 +91,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike = "tiny", **kwargs: Any) -> None:
         config = EngineConfig(model=model, **kwargs)
+        if config.fp8_kv_cache:
+            check_fp8_supported(config.device, config.attention_backend)
         path = resolve_model_path(str(model))
         self.model_config = load_config(path)
         self.dtype, self.device = config.torch_dtype, torch.device(config.device)
@@ -101,6 +105,7 @@ class LLM:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)  # before any worker starts
         self.max_model_len = config.max_model_len
         self.executor: Executor | None = None
+        self.attention: Any = backend_named(config.attention_backend)  # stage 4's or 5's; wrapped over an FP8 cache
         self.scheduler = self.build_scheduler(self.build_block_manager())
         self.model, self.cache = self.build_model_and_cache(path, profiled)
         self.tokenizer = load_tokenizer(path)
@@ -147,14 +152,19 @@ class LLM:
             return model, cache
         model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
         scratch = 1 if c.uses_cuda_graphs else 0  # a block no sequence is given: the graphs' padded rows write there
-        cache = SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads,
-                                 mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
+        sizes = (mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
+                 self.device, c.num_cpu_blocks)
+        if c.fp8_kv_cache:
+            cache = FP8PagedKVCache(*sizes, calculate_kv_scales=c.calculate_kv_scales)
+            self.attention = FP8Attention(FP8_BACKENDS[c.attention_backend], cache)
+        else:
+            cache = SwapPagedKVCache(*sizes)
         if c.uses_cuda_graphs:
-            model = CUDAGraphModel(model, cache, backend_named(c.attention_backend), c.max_num_seqs, c.max_model_len)
+            model = CUDAGraphModel(model, cache, self.attention, c.max_num_seqs, c.max_model_len)
         return model, cache
 
     def build_runner(self) -> ModelRunner | V1ModelRunner:
-        c, backend = self.config, backend_named(self.config.attention_backend)
+        c, backend = self.config, self.attention
         if c.scheduler == "v0":
             return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
         runner_class = SpecDecodeModelRunner if c.speculative_config is not None else V1ModelRunner
@@ -170,7 +180,7 @@ class LLM:
                                                   config.block_size, num_tokens, min(config.max_num_seqs, num_tokens),
                                                   config.gpu_memory_utilization,
                                                   backend_named(config.attention_backend))
-        if available < config.block_size * mc.kv_bytes_per_token(self.dtype):
+        if available < config.block_size * mc.kv_bytes_per_token(config.kv_cache_torch_dtype):
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the "
                              f"KV cache after the weights and a step of {num_tokens} tokens")
         return available

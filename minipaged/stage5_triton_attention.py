@@ -11,6 +11,10 @@ maximum ``m``, the running sum ``l`` of ``exp(score - m)``, and the running weig
 ``acc`` of values; when a tile raises the maximum, rescale ``l`` and ``acc`` by
 ``exp(m_old - m_new)``. At the end ``acc / l`` is exactly the softmax-weighted sum.
 
+Each K or V tile is converted to the query's dtype as soon as it is loaded: a cache may store its
+values in a narrower dtype than the query's, and the kernels then compute on exactly the stored
+values, widened in registers (for the same dtype the conversion is nothing).
+
 A head's ``head_dim`` values are padded to ``D_PAD``, a power of two, inside the kernels; every
 load of a row (a query, a K or V tile) is masked by ``offs_d < HEAD_DIM``, since the memory past
 ``head_dim`` is not the head's: the next head's values, or a padded row's spare slots, which may
@@ -75,6 +79,7 @@ def _load_tile(cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, 
 @triton.jit
 def _online_softmax(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):
     # BEGIN SOLUTION scores of one tile; raise the running max, rescale l and acc, add the tile
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored narrower than the query is widened in registers
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (rows, BLOCK_N)
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))

@@ -23,6 +23,7 @@ from minipaged.models import AttentionMetadata, ModelConfig, build_model
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage12_rejection_sampler import Context, RejectionSampler
+from minipaged.stage13_fp8_kv_cache import FP8_BACKENDS, FP8Attention, FP8PagedKVCache
 
 pytestmark = pytest.mark.device
 
@@ -118,12 +119,17 @@ def test_an_unchecked_mapping_is_refused_before_the_forward():
 
 # -- fake CUDA: every component of a step, no host tensor and no read until the sampler's copy -----------------------
 
-def fake_step(config: ModelConfig, backend, num_new: list[int], context: list[int], block_size: int = 4):
-    """One forward of a randomly shaped model on fake CUDA: its metadata built as the runners build it."""
+def fake_step(config: ModelConfig, backend, num_new: list[int], context: list[int], block_size: int = 4,
+              fp8: bool = False):
+    """One forward of a randomly shaped model on fake CUDA: its metadata built as the runners build it
+    (``fp8``: over stage 13's cache, with its attention backend wrapping ``backend``)."""
     model = build_model(config).eval()
     with fake_cuda():
         params = fake_cuda_module(model)
-        cache = PagedKVCache(config.num_layers, 32, block_size, config.num_kv_heads, config.head_dim, device="cuda")
+        sizes = (config.num_layers, 32, block_size, config.num_kv_heads, config.head_dim)
+        cache = FP8PagedKVCache(*sizes, device="cuda") if fp8 else PagedKVCache(*sizes, device="cuda")
+        if fp8:
+            backend = FP8Attention(backend, cache)
         tables = np.arange(len(context) * 8, dtype=np.int32).reshape(len(context), 8)
         ends = np.cumsum(num_new)
         positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context, num_new, strict=True)])
@@ -147,6 +153,27 @@ def test_a_decode_forward_runs_on_cuda_with_the_reference_backend(arch):
     assert hidden.device.type == "cuda" and hidden.shape == (3, CONFIGS[arch].hidden_size)
     assert logits.device.type == "cuda" and logits.shape == (3, VOCAB)
     assert cache.key_cache[0].device.type == "cuda"
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_a_decode_forward_over_an_fp8_cache_runs_on_cuda(arch):
+    """Stage 13: quantised on write, the step's blocks dequantised on read, the scales host numbers."""
+    hidden, logits, cache = fake_step(CONFIGS[arch], FP8_BACKENDS["ref"], [1, 1, 1], [7, 2, 9], fp8=True)
+    assert hidden.device.type == "cuda" and logits.shape == (3, VOCAB)
+    assert cache.key_cache[0].device.type == "cuda" and cache.key_cache[0].dtype == torch.float8_e4m3fn
+
+
+def test_fp8_calibration_reads_the_device_on_the_first_step_only():
+    llm = LLM("tiny", kv_cache_dtype="fp8", calculate_kv_scales=True, num_gpu_blocks=64, block_size=4)
+    llm.engine.add_request(0, "The cat", SamplingParams(max_tokens=8))
+    with count_host_syncs(llm.model) as first:
+        llm.engine.step()
+    calibration = sum(n for call, n in first.calls.items() if call.startswith("stage13"))
+    assert calibration == 2 * llm.model_config.num_layers  # max|K| and max|V|, once per layer
+    llm.engine.step()  # the first decode (the prompt's step walked the reference's prompts on the host)
+    with count_host_syncs(llm.model) as later:
+        llm.engine.step()
+    assert later.forward == 0, dict(later.in_forward)
 
 
 def test_the_reference_walks_a_step_with_prompts_on_the_host():
@@ -204,6 +231,9 @@ def test_the_triton_backend_prepares_its_launches_on_cuda(monkeypatch, num_new, 
     for name in ("_decode_v1_kernel", "_decode_v2_partial_kernel", "_decode_v2_reduce_kernel", "_prefill_kernel"):
         monkeypatch.setattr(s5, name, launches.kernel(name))
     fake_step(CONFIGS["llama"], s5.paged_attention_triton, num_new, context, block_size=128)
+    assert launches.launched == expected * CONFIGS["llama"].num_layers
+    launches.launched.clear()  # the same launches over stage 13's FP8 cache
+    fake_step(CONFIGS["llama"], FP8_BACKENDS["triton"], num_new, context, block_size=128, fp8=True)
     assert launches.launched == expected * CONFIGS["llama"].num_layers
 
 

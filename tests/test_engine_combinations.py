@@ -90,6 +90,10 @@ REFUSED = [  # configurations that break the table's rules, every rule by at lea
     dict(scheduler="v0", speculative_config=NGRAM),
     dict(async_scheduling=True, speculative_config=NGRAM),
     dict(async_scheduling=True, tensor_parallel_size=2),
+    dict(stage=12, kv_cache_dtype="fp8"),
+    dict(calculate_kv_scales=True),
+    dict(kv_cache_dtype="fp8", tensor_parallel_size=2),
+    dict(kv_cache_dtype="fp8", calculate_kv_scales=True, device="cuda", attention_backend="triton"),
 ]
 
 

@@ -186,3 +186,14 @@ def test_the_stage_5_pages_kernel_choice_table_is_use_v1s(language):
     assert [int(r[0]) for r in rows] == [1, 8, 64, 256]
     for batch, *chosen in rows:
         assert chosen == ["v1" if use_v1(int(batch), 32, ctx) else "v2" for ctx in (1024, 4096, 16384, 32768)]
+
+
+def test_the_fp8_variants_compile_for_sm90_without_spills_and_are_not_offered_to_sm80():
+    """Stage 13's launches (an e4m3 cache, bf16 queries): Triton's fp8e4nv exists from sm_89 on."""
+    rows = kr.report(targets=("sm_80", "sm_90"), dtypes=("fp8",), head_dims=(128, 64), groups=(1, 7),
+                     block_sizes=(16,), processes=2)
+    assert {(r.kernel, r.target) for r in rows} == {(k, "sm_90") for k in KERNELS}
+    assert all(r.spill_bytes == 0 and 0 < r.registers <= 255 for r in rows)
+    printed = []
+    kr.main(["sm_80"], ["fp8"], quick=True, print_fn=printed.append)
+    assert any(line.startswith("fp8 on sm_80: not compiled") for line in printed)

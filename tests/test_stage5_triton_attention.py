@@ -129,6 +129,21 @@ def test_same_checks_as_the_reference_and_a_known_version():
         paged_attention_triton(*args[:4], args[4] + 100)
 
 
+@pytest.mark.parametrize("version", ["v1", "v2", "prefill"])
+def test_a_cache_stored_narrower_than_the_query_is_widened_tile_by_tile(version):
+    """K/V kept in float16 under float32 queries: each tile is converted to the query's dtype after it is
+    loaded, so the kernels compute on exactly the stored values (the caller skips the dtype check)."""
+    query_lens = [3, 1, 5] if version == "prefill" else None
+    args, _ = make_paged_inputs(4, 2, 64, 16, [40, 7, 600], query_lens, seed=3)
+    query, key_cache, value_cache, tables, lens, starts = args
+    narrow = key_cache.half(), value_cache.half()
+    expected = paged_attention_ref(query, narrow[0].float(), narrow[1].float(), tables, lens, query_start_loc=starts)
+    kwargs = {} if version == "prefill" else {"version": version}
+    out = paged_attention_triton(query, *narrow, tables, lens, query_start_loc=starts, validate=False, **kwargs)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, **tolerances.attention(query, narrow[0].float(), narrow[1].float(), 600))
+
+
 COMPILE = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "0"

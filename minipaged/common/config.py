@@ -21,11 +21,12 @@ from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("v0", "v1")  # the paper's (stage 6), or vLLM V1's (stage 10)
-FIRST_STAGE, LAST_STAGE = 7, 12  # the ladder's engines: stage 7 serves text, stage 12 is the top
+FIRST_STAGE, LAST_STAGE = 7, 13  # the ladder's engines: stage 7 serves text, stage 13 is the top
 V1_MAX_NUM_BATCHED_TOKENS = 2048  # V1's token budget per step when none is given
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
 DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU, or when the device's memory is not profiled
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's; auto: the model's
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 
 
@@ -89,6 +90,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # workers that each hold a shard of the model (stage 11)
     distributed_executor_backend: str | None = None  # how they start: "mp" (the default) or "external_launcher"
     speculative_config: SpeculativeConfig | dict | None = None  # drafts and their verification (stage 12)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, stage 13)
+    calculate_kv_scales: bool = False  # fp8: each layer's k_scale and v_scale from its first batch, else 1.0
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -107,6 +110,7 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative_config is not None:  # a dict, as vLLM takes it, checked into its dataclass
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
@@ -120,7 +124,7 @@ class EngineConfig:
         check_choice("scheduler", self.scheduler, SCHEDULERS)
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.scheduler == "v1")
-        for flag in ("enable_prefix_caching", "async_scheduling", "enforce_eager"):
+        for flag in ("enable_prefix_caching", "async_scheduling", "enforce_eager", "calculate_kv_scales"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.model, str | os.PathLike):
@@ -144,7 +148,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {positions} positions")
         kv_cache_memory = DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
         num_gpu_blocks = self.num_gpu_blocks or max(
-            1, kv_cache_memory // (self.block_size * model_config.kv_bytes_per_token(self.torch_dtype)))
+            1, kv_cache_memory // (self.block_size * model_config.kv_bytes_per_token(self.kv_cache_torch_dtype)))
         max_model_len = self.max_model_len or min(positions, num_gpu_blocks * self.block_size)
         window = model_config.sliding_window
         if window and max_model_len > window:
@@ -174,6 +178,15 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the K/V cache stores: the model's dtype (``"auto"``), or e4m3 (``"fp8"``)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
+
 
 @dataclass(frozen=True)
 class ResolvedEngineConfig(EngineConfig):
@@ -195,6 +208,8 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.async_scheduling and c.stage < 10, "async_scheduling needs stage >= 10"),
     (lambda c: c.tensor_parallel_size > 1 and c.stage < 11, "tensor_parallel_size > 1 needs stage >= 11"),
     (lambda c: c.speculative_config is not None and c.stage < 12, "speculative_config needs stage >= 12"),
+    (lambda c: c.fp8_kv_cache and c.stage < 13, "kv_cache_dtype='fp8' needs stage >= 13"),
+    (lambda c: c.calculate_kv_scales and not c.fp8_kv_cache, "calculate_kv_scales needs kv_cache_dtype='fp8'"),
     (lambda c: c.scheduler == "v1" and c.preemption_mode == "swap",
      "V1 preempts by recompute only, as vLLM V1 does: preemption_mode='swap' needs scheduler='v0'"),
     (lambda c: c.scheduler == "v0" and c.async_scheduling,
@@ -206,4 +221,8 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.async_scheduling and c.tensor_parallel_size > 1,
      "the executor carries one step at a time and the async worker would wait on it: "
      "async_scheduling with tensor_parallel_size > 1"),
+    (lambda c: c.fp8_kv_cache and c.tensor_parallel_size > 1,
+     "the workers build caches of the model's dtype: kv_cache_dtype='fp8' with tensor_parallel_size > 1"),
+    (lambda c: c.calculate_kv_scales and c.uses_cuda_graphs,
+     "the graphs are captured before the first batch sets the scales: calculate_kv_scales needs enforce_eager=True"),
 ]

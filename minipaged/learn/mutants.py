@@ -214,6 +214,9 @@ CATALOGUE: list[Mutant] = [
     m(4, "single queries keep the wrong tables", ("block_tables[picked],\n", "block_tables[: len(single)],\n")),
     m(4, "trusts table entries past a sequence", ("ids = torch.where(in_use[:, ::block_size], ids, 0)", "ids = ids")),
     # stage 5: the Triton kernels
+    m(5, "a tile is not widened to the query's dtype", (
+        "    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored narrower than the query is widened in registers\n",
+        "")),
     m(5, "online softmax rescales the wrong way", ("alpha = tl.exp(m - m_new)", "alpha = tl.exp(m_new - m)")),
     m(5, "acc is not rescaled", ("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")),
     m(5, "tile offset uses the block id", ("rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh",
@@ -499,6 +502,37 @@ CATALOGUE: list[Mutant] = [
         "if float(torch.rand(1, device=p.device)) < min(")),
     m(12, "a stop among the accepted tokens does not end the request", (
         "            if request.is_finished():\n                break\n", "")),
+    # stage 13: the FP8 KV cache
+    m(13, "the scale never divides on write", ("return (x.float() / scale).clamp(", "return (x.float()).clamp(")),
+    m(13, "the scale divides twice on write", ("return (x.float() / scale).clamp(",
+                                               "return (x.float() / scale / scale).clamp(")),
+    m(13, "saturated at e4m3fnuz's 240", ("clamp(-FP8_MAX, FP8_MAX)", "clamp(-240.0, 240.0)")),
+    m(13, "dequantised without the scale", ("return (x.to(torch.float32) * scale).to(dtype)",
+                                            "return x.to(torch.float32).to(dtype)")),
+    m(13, "dequantised by dividing", ("return (x.to(torch.float32) * scale).to(dtype)",
+                                      "return (x.to(torch.float32) / scale).to(dtype)")),
+    m(13, "V written with K's scale", ("quantize_fp8(value, self.v_scale[layer])",
+                                       "quantize_fp8(value, self.k_scale[layer])")),
+    m(13, "K written with the previous layer's scale", ("quantize_fp8(key, self.k_scale[layer])",
+                                                        "quantize_fp8(key, self.k_scale[layer - 1])")),
+    m(13, "K calibrated with V's constant", ("k_max / K_SCALE_CONSTANT", "k_max / V_SCALE_CONSTANT")),
+    m(13, "calibrated from the mean magnitude", ("k_max, v_max = float(key.abs().max()), float(value.abs().max())",
+                                                 "k_max, v_max = float(key.abs().mean()), float(value.abs().mean())")),
+    m(13, "calibrated again on every write", (
+        "        self.needs_scales[layer] = False  # from now on", "        pass  # from now on")),
+    m(13, "a zero batch gives a zero scale", ("k_max / K_SCALE_CONSTANT if k_max > 0 else 1.0",
+                                              "k_max / K_SCALE_CONSTANT")),
+    m(13, "every table entry trusted", ("ids = torch.where(in_use, block_tables[:, :width].long(), 0).flatten()",
+                                        "ids = block_tables[:, :width].long().flatten()")),
+    m(13, "the reference's V dequantised with K's scale", (
+        "values = dequantize_fp8(value_cache.index_select(0, ids), v_scale)",
+        "values = dequantize_fp8(value_cache.index_select(0, ids), k_scale)")),
+    m(13, "k_scale left out of the softmax scale", ("block_tables, seq_lens, scale * k_scale,",
+                                                    "block_tables, seq_lens, scale,")),
+    m(13, "v_scale left off the output", ("    return out * v_scale\n", "    return out\n")),
+    m(13, "the scales folded the wrong way round", ("block_tables, seq_lens, scale * k_scale,",
+                                                    "block_tables, seq_lens, scale * v_scale,"),
+      ("    return out * v_scale\n", "    return out * k_scale\n")),
 ]
 
 

@@ -34,7 +34,8 @@ from typing import Any
 TARGETS = {"sm_80": 80, "sm_90": 90}  # A100, H100/H200
 # Per SM: registers, shared memory a block may use, resident threads (CUDA occupancy tables).
 SM_LIMITS = {80: (65536, 163 * 1024, 2048), 90: (65536, 227 * 1024, 2048)}
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16", "fp8")  # fp8: bf16 queries over an e4m3 cache (stage 13)
+FP8_MIN_ARCH = 89  # Triton's fp8e4nv (e4m3) needs Ada or Hopper: sm_80 has no such type
 HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 7, 8)  # query heads per KV head
 BLOCK_SIZES = (1, 16, 32)
@@ -78,17 +79,19 @@ class KernelReport:
 
 
 def launches(head_dim: int, group: int, block_size: int, dtype: str = "bf16") -> list[Launch]:
-    """The four kernel launches stage 5 makes for this shape (v1, v2's two, prefill)."""
+    """The four kernel launches stage 5 makes for this shape (v1, v2's two, prefill); ``dtype="fp8"``: over
+    an e4m3 cache, with bf16 queries, as stage 13 launches them."""
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
     from minipaged import stage5_triton_attention as s5
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[dtype]
+    cache_dtype = torch.float8_e4m3fn if dtype == "fp8" else torch_dtype  # fp8: bf16 queries, an e4m3 cache
     num_kv_heads, seq_len = 2, 2 * s5.PARTITION_SIZE + 1  # three partitions for v2
     blocks = -(-seq_len // block_size)
-    key_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=torch_dtype)
+    key_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype)
     value_cache = torch.zeros_like(key_cache)
     tables = torch.arange(blocks, dtype=torch.int32)[None]
     seq_lens = torch.tensor([seq_len], dtype=torch.int32)
@@ -122,10 +125,11 @@ def launches(head_dim: int, group: int, block_size: int, dtype: str = "bf16") ->
             setattr(s5, name, Recorder(name, saved[name]))
         query = torch.zeros(1, num_kv_heads * group, head_dim, dtype=torch_dtype)
         for version in s5.VERSIONS:
-            s5.paged_attention_triton(query, key_cache, value_cache, tables, seq_lens, version=version)
+            s5.paged_attention_triton(query, key_cache, value_cache, tables, seq_lens, version=version, validate=False)
         chunk = torch.zeros(block_size + 1, num_kv_heads * group, head_dim, dtype=torch_dtype)
         starts = torch.tensor([0, chunk.shape[0]], dtype=torch.int32)
-        s5.paged_attention_triton(chunk, key_cache, value_cache, tables, seq_lens, query_start_loc=starts)
+        s5.paged_attention_triton(chunk, key_cache, value_cache, tables, seq_lens, query_start_loc=starts,
+                                  validate=False)
     finally:
         for name, fn in saved.items():
             setattr(s5, name, fn)
@@ -202,7 +206,8 @@ def jobs(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, groups=GROU
     """Every (launch, target, dtype, shape) of the table, launches found by the real launcher."""
     return [(launch, target, dtype, (head_dim, group, block_size))
             for dtype in dtypes for head_dim in head_dims for group in groups for block_size in block_sizes
-            for launch in launches(head_dim, group, block_size, dtype) for target in targets]
+            for launch in launches(head_dim, group, block_size, dtype) for target in targets
+            if dtype != "fp8" or TARGETS[target] >= FP8_MIN_ARCH]
 
 
 def _compile_all(todo: list[tuple], divisibility: bool) -> list[dict]:
@@ -286,12 +291,15 @@ def main(targets: list[str], dtypes: list[str], quick: bool = False, json_path: 
         return 1
     for row in rows:
         print_fn(format_row(row))
+    for target in targets:
+        if "fp8" in dtypes and TARGETS[target] < FP8_MIN_ARCH:
+            print_fn(f"fp8 on {target}: not compiled, Triton's fp8e4nv needs sm_{FP8_MIN_ARCH} or later")
     if json_path:
         Path(json_path).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     spilled = sorted({(r.kernel, r.target, r.dtype, r.head_dim) for r in rows if r.spill_bytes})
     distinct = len({(r.kernel, r.target, r.dtype, r.registers, r.shared_bytes) for r in rows})
     print_fn(f"{len(rows)} kernel launches compiled ({distinct} distinct) for {', '.join(targets)}: "
-             f"{len(spilled)} spill, max {max(r.registers for r in rows)} registers")
+             f"{len(spilled)} spill, max {max((r.registers for r in rows), default=0)} registers")
     return 1 if spilled else 0
 
 
