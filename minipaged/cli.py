@@ -70,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
           preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
           device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
           **_given(args, "max_num_batched_tokens", "enable_prefix_caching"), enforce_eager=args.enforce_eager,
+          kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
           logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
@@ -173,7 +174,8 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              scheduler="v0", enforce_eager=args.enforce_eager,
+              scheduler="v0", enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales,
               **_given(args, "max_num_batched_tokens", "enable_prefix_caching"))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
@@ -204,6 +206,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step launched kernel by kernel (on CUDA with --attention-backend "
                         "triton, decode steps otherwise replay a graph)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="what the K/V cache stores: the model's dtype (auto) or e4m3, one byte a value (fp8)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8: each layer's k_scale and v_scale from its first batch (else 1.0)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
 
 
@@ -299,6 +305,10 @@ def _add_demo_command(sub) -> None:
     p.add_argument("--slots", type=int, default=16384, help="KV slots of the memory simulation")
     p.add_argument("--rate", type=float, default=0.2, help="arrivals per decode step")
     p.add_argument("--seed", type=int, default=0, help="the simulation's seed")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="what the K/V cache stores: the model's dtype (auto) or e4m3, one byte a value (fp8)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8: each layer's k_scale and v_scale from its first batch (else 1.0)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: the cores not busy now)")
     p.set_defaults(run=_demo)
 

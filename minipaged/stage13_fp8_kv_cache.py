@@ -249,7 +249,8 @@ def check_fp8_supported(device: str | torch.device, attention_backend: str) -> N
                              "attention_backend='ref' or kv_cache_dtype='auto'")
 
 
-__all__ = ["FP8_BACKENDS", "FP8_DTYPE", "FP8_MAX", "FP8Attention", "FP8PagedKVCache", "K_SCALE_CONSTANT", "V_SCALE_CONSTANT",
+__all__ = ["FP8_BACKENDS", "FP8_DTYPE", "FP8_MAX", "FP8Attention", "FP8PagedKVCache", "K_SCALE_CONSTANT",
+           "V_SCALE_CONSTANT",
            "attention_error_bound", "check_fp8_attention_args", "check_fp8_supported", "dequantize_fp8",
            "dequantized_blocks", "fp8_rounding_bound", "paged_attention_fp8_ref", "paged_attention_fp8_triton",
            "quantize_fp8"]

@@ -43,6 +43,7 @@ from minipaged.learn.viz import (  # noqa: E402
 from minipaged.perf.kernel_report import GPUS  # noqa: E402
 from minipaged.perf.simulate import (  # noqa: E402
     OPT_13B_KV_BUDGET,
+    OPT_13B_KV_BYTES_PER_TOKEN,
     OPT_13B_WEIGHT_BYTES,
     SimulatedRunner,
     decode_bend,
@@ -463,6 +464,37 @@ def speculative_step():
     _save(fig, "speculative_step.svg")
 
 
+def fp8_kv_cache():
+    """Stage 13: what a value becomes in e4m3 (its error against the bound), and what one byte a value buys."""
+    import torch
+
+    from minipaged.stage13_fp8_kv_cache import FP8_MAX, dequantize_fp8, fp8_rounding_bound, quantize_fp8
+
+    x = torch.logspace(-4, float(torch.log10(torch.tensor(FP8_MAX))), 4001)
+    error = (dequantize_fp8(quantize_fp8(x, 1.0), 1.0) - x).abs()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.2, 2.7), width_ratios=(1.5, 1), layout="constrained")
+    left.loglog(x, (error / x).clamp(min=1e-5), lw=0.6, color="#4c72b0", label="|error| / value")
+    left.loglog(x, fp8_rounding_bound(x, 1.0) / x, lw=1.4, color="#c44e52", label="the bound / value")
+    left.axvline(2**-6, color="#888888", ls=":", lw=1)
+    left.text(2**-6 * 1.2, 2e-5, "normals (≥ 2⁻⁶): 2⁻⁴ at most", fontsize=8.5, color="#444444")
+    left.set_ylim(1e-5, 1.5)
+    left.set_xlabel("value / scale", fontsize=9.5)
+    left.set_title("a value stored in e4m3 and read back", fontsize=10)
+    left.legend(fontsize=8.5, frameon=False, loc="upper right")
+    left.tick_params(labelsize=8.5)
+    fp8_slots = OPT_13B_KV_BUDGET // (OPT_13B_KV_BYTES_PER_TOKEN // 2)
+    counts = {"contiguous\n(max)": requests_that_fit(1024, "max"), "paged\nfp16": requests_that_fit(1024, "paged"),
+              "paged\nfp8": requests_that_fit(1024, "paged", num_slots=fp8_slots)}
+    bars = right.bar(list(counts), list(counts.values()), color=["#999999", "#4c72b0", "#55a868"])
+    right.bar_label(bars, fontsize=9)
+    right.set_title("1,024-token requests in\nOPT-13B's 12 GiB of K/V", fontsize=10)
+    right.tick_params(labelsize=8.5)
+    right.set_ylim(0, max(counts.values()) * 1.2)
+    for side in ("top", "right"):
+        right.spines[side].set_visible(False)
+    _save(fig, "fp8_kv_cache.svg")
+
+
 DECODE_CONTEXT = 512  # tokens per request in stage 0's decode figure: about a ShareGPT request (161 + 338)
 # Its words, in English and in Chinese (decode_throughput.zh.svg: the Chinese site shows it in its place).
 DECODE_LABELS = {
@@ -539,7 +571,7 @@ def _decode_throughput(language):
 # Every figure, in the order ``main`` draws them; each writes docs/figures/<its name>.svg (and its translations).
 FIGURES = (paged_memory, contiguous_waste, decode_throughput, block_pool, block_table, copy_on_write, gather,
            split_kv, schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
-           speculative_step)
+           speculative_step, fp8_kv_cache)
 
 
 def main():

@@ -151,6 +151,42 @@ def test_how_many_requests_run_at_once():
     assert f"{data['slots']:,} token slots" in text_of("batch_capacity.py")
 
 
+def test_how_many_requests_an_fp8_cache_runs_at_once():
+    data = result("batch_capacity")
+    bound, at_02 = data["memory_bound"], data["results"]["ShareGPT/0.2"]
+    a, b = bound["ShareGPT/0.5"], bound["ShareGPT/1.0"]
+    assert (f"the same 12 GiB hold {data['fp8_slots']:,} token slots. At 0.2 arrivals a step it runs "
+            f"{at_02['paged_fp8']:.2f} requests at once") in text_of("batch_capacity.py")
+    assert (f"paged memory runs {a['paged']:.2f} and {b['paged']:.2f}, the FP8 cache {a['paged_fp8']:.2f} and "
+            f"{b['paged_fp8']:.2f}: {a['paged_fp8'] / a['paged']:.2f}× and {b['paged_fp8'] / b['paged']:.2f}×"
+            ) in text_of("batch_capacity.py")
+
+
+def fp8_rows(page_text: str) -> list[list[str]]:
+    """The rows of the table of drifts in a page's text (a stage page, or the benchmarks page)."""
+    return [[cell.strip() for cell in line.strip("|").split("|")][2:] for line in page_text.splitlines()
+            if re.match(r"\| (tiny|Qwen2\.5-0\.5B-shaped) \| e4m3", line)]
+
+
+def test_an_fp8_kv_cache():
+    """The drifts, as bench/fp8_kv_cache.py measured them, on this page and on stage 13's, in both languages."""
+    data = result("fp8_kv_cache")
+    expected = [[f"{r['max_token_logprob_drift']:.3f}", f"{r['mean_token_logprob_drift']:.3f}",
+                 f"{r['max_text_loglikelihood_drift']:.2f}", f"{r['identical']:.0%}",
+                 f"{r['tokens_before_first_difference']:.0%}"]
+                for model in ("tiny", "qwen2.5-0.5b-shaped") for r in (data["results"][model][m]
+                                                                     for m in ("fp8", "fp8, calibrated"))]
+    (table,) = english_tables()["fp8_kv_cache.py"]
+    assert [row[2:] for row in table] == expected
+    for page in (ENGLISH, CHINESE, DOCS / "stages" / "13_fp8_kv_cache.md", DOCS / "stages" / "13_fp8_kv_cache.zh.md"):
+        assert fp8_rows(page.read_text(encoding="utf-8")) == expected, page.name
+    speed = data["tokens_per_second"]
+    assert (f"{speed['auto']:,.0f} tokens/s with the float32 cache, {speed['fp8']:,.0f} in e4m3 with scales 1.0 "
+            f"and {speed['fp8, calibrated']:,.0f} calibrated") in text_of("fp8_kv_cache.py")
+    for page in ("13_fp8_kv_cache.md", "13_fp8_kv_cache.zh.md"):
+        assert f"{speed['fp8, calibrated'] / speed['auto']:.2f}" in (DOCS / "stages" / page).read_text(encoding="utf-8")
+
+
 def test_block_size():
     utilisation = result("block_size")["utilisation"]
     (table,) = english_tables()["block_size.py"]

@@ -162,6 +162,12 @@ def computed() -> dict[str, str]:
           "gqa_bytes": f"{gqa:,}", "gqa_kib": f"{gqa // KiB}", "mha_kib": f"{mha // KiB}", "fp8_kib": f"{fp8 // KiB}",
           "per_gib_mha": f"{GiB // mha:,}", "per_gib_gqa": f"{GiB // gqa:,}", "per_gib_fp8": f"{GiB // fp8:,}",
           "capacity_ratio": f"{mha // fp8}"}
+    bound = result("batch_capacity")["memory_bound"]  # stage 13, measured where memory sets the batch
+    busiest = bound[max(bound, key=lambda key: float(key.split("/")[1]))]
+    drift = result("fp8_kv_cache")["results"]["tiny"]["fp8, calibrated"]
+    n |= {"fp8_paged_batch": f"{busiest['paged']:.2f}", "fp8_batch": f"{busiest['paged_fp8']:.2f}",
+          "fp8_batch_ratio": f"{busiest['paged_fp8'] / busiest['paged']:.2f}",
+          "fp8_mean_drift": f"{drift['mean_token_logprob_drift']:.3f}"}
 
     # Chunked prefill, as bench/chunked_prefill.py measured it; the V0-against-V1 answer uses it too.
     chunked = result("chunked_prefill")
@@ -330,13 +336,18 @@ FRAGMENTS: dict[str, dict[str, list[str]]] = {
                "each of its {llama8_query_heads} query heads it would be {mha_kib} KiB",
                "halves the {gqa_kib} KiB to {fp8_kib} KiB",
                "holds {per_gib_mha} tokens without GQA, {per_gib_gqa} with it and {per_gib_fp8} with FP8 too: "
-               "{capacity_ratio}× the batch"],
+               "{capacity_ratio}× the batch",
+               "where memory sets the batch, {fp8_paged_batch} requests at once become {fp8_batch} "
+               "({fp8_batch_ratio}×)",
+               "a token's log-probability moves by {fp8_mean_drift} on average"],
         "zh": ["{llama8_layers} 层、{llama8_kv_heads} 个 KV head、head 维度 {llama8_head_dim}：float16 下每个 token "
                "{gqa_bytes} 字节，即 {gqa_kib} KiB",
                "如果 {llama8_query_heads} 个 query head 各配一个 KV head，就是 {mha_kib} KiB",
                "再把 {gqa_kib} KiB 减半到 {fp8_kib} KiB",
                "不用 GQA 装 {per_gib_mha} 个 token，用 GQA 装 {per_gib_gqa} 个，再加 FP8 装 {per_gib_fp8} 个",
-               "batch 大到 {capacity_ratio} 倍"],
+               "batch 大到 {capacity_ratio} 倍",
+               "在显存决定 batch 大小的时候，同时运行的请求从 {fp8_paged_batch} 个变成 {fp8_batch} 个（{fp8_batch_ratio} 倍）",
+               "单个 token 的 log-probability 平均偏 {fp8_mean_drift}"],
     },
     "chunked-prefill-trade": {
         "en": ["{decoding} requests decode on the tiny model when a {long_prompt}-token prompt arrives",

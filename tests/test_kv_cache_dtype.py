@@ -30,6 +30,12 @@ def test_kv_cache_dtype_chooses_the_cache_and_the_attention_backend(backend):
     assert EngineConfig(dtype="bfloat16").kv_cache_torch_dtype == torch.bfloat16
 
 
+def test_the_same_memory_holds_twice_the_blocks_of_a_bfloat16_cache():
+    auto = LLM("tiny", dtype="bfloat16", kv_cache_memory=2**20).config.num_gpu_blocks
+    fp8 = LLM("tiny", kv_cache_dtype="fp8", dtype="bfloat16", kv_cache_memory=2**20).config.num_gpu_blocks
+    assert fp8 == 2 * auto
+
+
 @pytest.mark.parametrize("kwargs", [dict(kv_cache_dtype="fp16"), dict(kv_cache_dtype="fp8", calculate_kv_scales=1)])
 def test_a_bad_cache_dtype_is_refused_where_the_configuration_is_made(kwargs):
     with pytest.raises(ValueError):

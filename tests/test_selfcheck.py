@@ -154,7 +154,7 @@ def in_short(page: Path) -> tuple[str, list[str], int]:
 
 def test_every_stage_page_opens_its_interview_answer_with_a_short_one_in_both_languages():
     english = sorted(p for p in STAGES.glob("*.md") if not p.name.endswith(".zh.md"))
-    assert len(english) == 13
+    assert len(english) == 14
     for page in english:
         translated = page.with_name(page.name.replace(".md", ".zh.md"))
         for version, language in ((page, "en"), (translated, "zh")):
@@ -965,3 +965,60 @@ def test_stage12_a_draft_models_proposal_is_kept_as_often_as_p_and_q_overlap():
     (only,) = torch.nonzero((p - q).clamp(min=0)).flatten().tolist()  # the residual's one token
     assert bool(((frequencies(p, q) - p).abs() <= 5 * torch.sqrt(p * (1 - p) / 20000)).all())
     check12(4, f"{overlap:.1f}", only)
+
+
+# --- stage 13: an FP8 KV cache
+
+PAGE13 = STAGES / "13_fp8_kv_cache.md"
+
+
+def check13(index: int, *expected) -> None:
+    """Question ``index`` of stage 13's page and of its translation answers ``expected``."""
+    want = [normal(e) for e in expected]
+    for page in (PAGE13, PAGE13.with_name("13_fp8_kv_cache.zh.md")):
+        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+
+
+def test_stage13_page_ends_with_a_self_check_and_an_interview_answer():
+    for page, headings in ((PAGE13, ("## Self-check", "## Explain it in an interview")),
+                           (PAGE13.with_name("13_fp8_kv_cache.zh.md"),
+                            ("{#self-check}", "{#explain-it-in-an-interview}"))):
+        text = page.read_text(encoding="utf-8")
+        assert len(answers(page)) == len(answers(PAGE13)) == 5, page.name
+        assert text.index(headings[0]) < text.index(headings[1]), page.name
+        assert [bool(bold_spans(page, i)) for i in range(5)] == [True] * 4 + [False]  # the last in words
+
+
+def test_stage13_a_key_stored_and_read_back():
+    from minipaged.stage13_fp8_kv_cache import dequantize_fp8, fp8_rounding_bound, quantize_fp8
+
+    key, scale = torch.tensor([0.37]), 0.01
+    stored = quantize_fp8(key, scale)
+    back = dequantize_fp8(stored, scale)
+    bound = float(fp8_rounding_bound(key, scale))
+    assert abs(float(back) - 0.37) <= bound
+    check13(0, f"{float(stored.float()):g}", f"{float(back):.2f}", f"{bound:.6f}")
+
+
+def test_stage13_calibrated_scales_and_a_key_that_saturates():
+    from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache
+
+    cache = FP8PagedKVCache(1, 2, 2, 1, 1, calculate_kv_scales=True)
+    cache.write(0, torch.tensor([0, 1]), torch.tensor([[[3.6]], [[-1.0]]]), torch.tensor([[[0.52]], [[0.1]]]))
+    cache.write(0, torch.tensor([2]), torch.tensor([[[100.0]]]), torch.tensor([[[0.0]]]))
+    keys, _ = cache.gather(0, [0, 1], 3)
+    check13(1, f"{cache.k_scale[0]:.3f}", f"{cache.v_scale[0]:.4f}", f"{float(keys[2]):.3f}")
+
+
+def test_stage13_opt13b_in_fp8():
+    from minipaged.perf.simulate import OPT_13B_KV_BUDGET, OPT_13B_KV_BYTES_PER_TOKEN, requests_that_fit
+
+    fp8_bytes = OPT_13B_KV_BYTES_PER_TOKEN // 2  # one byte a value where fp16 takes two
+    slots = OPT_13B_KV_BUDGET // fp8_bytes
+    assert requests_that_fit(1024, "paged") == 15
+    check13(2, f"{fp8_bytes // 1024}", f"{slots:,}", requests_that_fit(1024, "paged", num_slots=slots))
+
+
+def test_stage13_how_far_a_score_and_a_weight_move():
+    eps = 1 / 8 * 8 * 0.01  # scale * sum|q| * the keys' rounding bound
+    check13(3, f"{eps:.2f}", f"{math.exp(2 * eps):.3f}")

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 from minipaged import LLM, SamplingParams
-from minipaged.stage2_block_table import gather_kv
 from minipaged.stage3_copy_on_write import RefCountedBlockAllocator
 from minipaged.stage4_reference_attention import paged_attention_ref
 from minipaged.stage6_swapping import SwapBlockSpaceManager, SwapPagedKVCache
@@ -292,12 +291,6 @@ def test_the_engine_equals_one_whose_float32_cache_holds_the_same_rounded_values
             assert [a[t] for t in common] == pytest.approx([b[t] for t in common], **tol)
 
 
-def test_the_same_memory_holds_twice_the_blocks_of_a_bfloat16_cache():
-    auto = LLM("tiny", dtype="bfloat16", kv_cache_memory=2**20).config.num_gpu_blocks
-    fp8 = FP8LLM(dtype="bfloat16", kv_cache_memory=2**20).config.num_gpu_blocks
-    assert fp8 == 2 * auto
-
-
 def test_prefix_cache_hits_read_the_fp8_blocks_another_request_wrote():
     shared = "A long shared system prompt that fills several blocks of the cache, " * 3
     prompts = [shared + "first", shared + "second"]
@@ -321,3 +314,36 @@ def test_swapped_and_forked_sequences_keep_their_fp8_values():
     got = run(tight, PROMPTS, params)
     assert tight.stats.scheduler.num_swapped_out_blocks > 0
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in roomy]
+
+
+# --- on a GPU (sm_89 or later: Triton's fp8e4nv)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                         reason="needs a CUDA device of compute capability 8.9 or more")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("version", ["v1", "v2", "prefill"])
+def test_on_the_gpu_the_kernels_over_fp8_equal_the_reference_in_bfloat16(version):
+    case = (14, 2, 64, 16, [5, 700, 1200], [3, 1, 9] if version == "prefill" else None)
+    k_scale, v_scale = 0.02, 0.03
+    fp8, _, _ = quantised_inputs(*case, k_scale, v_scale)
+    fp8 = tuple(None if t is None else t.cuda() for t in fp8)
+    query = fp8[0].bfloat16()
+    fp8 = (query, *fp8[1:])
+    want = call(paged_attention_fp8_ref, fp8, k_scale=k_scale, v_scale=v_scale)
+    kwargs = {} if version == "prefill" else {"version": version}
+    got = call(paged_attention_fp8_triton, fp8, k_scale=k_scale, v_scale=v_scale, **kwargs)
+    keys, values = dequantize_fp8(fp8[1], k_scale), dequantize_fp8(fp8[2], v_scale)
+    torch.testing.assert_close(got.float(), want.float(),
+                               **tolerances.attention(query, keys, values, 1200, reference_storage=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@gpu
+def test_on_the_gpu_values_past_448_saturate_and_come_back_within_the_bound():
+    x = torch.tensor([0.37, -3.0, 500.0, -1e6, float("inf")], device="cuda")
+    assert quantize_fp8(x, 1.0).float().tolist() == [0.375, -3.0, FP8_MAX, -FP8_MAX, FP8_MAX]
+    y = torch.randn(10_000, device="cuda") * 3
+    assert ((dequantize_fp8(quantize_fp8(y, 0.02), 0.02) - y).abs() <= fp8_rounding_bound(y, 0.02) * (1 + 2**-20)).all()

@@ -26,7 +26,8 @@ V1_MAX_NUM_BATCHED_TOKENS = 2048  # V1's token budget per step when none is give
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
 DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU, or when the device's memory is not profiled
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's; auto: the model's
+# vLLM's kv_cache_dtype: "auto" stores the model's dtype; "fp8" (or "fp8_e4m3") e4m3, one byte a value (stage 13)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 
 
