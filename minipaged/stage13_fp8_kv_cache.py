@@ -210,10 +210,10 @@ def paged_attention_fp8_triton(
         check_fp8_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                  k_scale, v_scale)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    lengths = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)  # the engine's host numbers
     # BEGIN SOLUTION fold the scales out of the kernel: k_scale into the softmax scale, v_scale onto the output
     out = paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, scale * k_scale,
-                                 query_start_loc, version=version, validate=False, max_query_len=max_query_len,
-                                 max_seq_len=max_seq_len)
+                                 query_start_loc, version=version, validate=False, **lengths)
     return out * v_scale
     # END SOLUTION
 

@@ -317,3 +317,9 @@ def test_threads_on_a_busy_machine():
     (table,) = english_tables()["threads.py"]
     assert [row[1:] for row in table] == [[f"{rows[condition, n]:,.0f} tokens/s" for n in (1, 2)]
                                           for condition in ("as it is", "one core busy")]
+
+
+def test_the_readmes_fp8_row_is_the_benchmarks():
+    bound = result("batch_capacity")["memory_bound"]["ShareGPT/1.0"]
+    row = f"{bound['paged']:.1f} / **{bound['paged_fp8']:.1f}** ({bound['paged_fp8'] / bound['paged']:.2f}×)"
+    assert row in (ROOT / "README.md").read_text(encoding="utf-8")

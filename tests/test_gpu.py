@@ -178,3 +178,21 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_tokens_of_eager_ones():
     assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert graphs.model.replays > 0 and graphs.model.sizes == [1, 2, 4, 8, 16, 24]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="Triton's fp8e4nv needs compute capability 8.9")
+def test_an_fp8_cache_on_cuda_gives_the_references_tokens_with_the_kernels_and_the_graphs():
+    """Stage 13 on the device: the Triton kernels over e4m3, eager and replayed from CUDA graphs, give the
+    tokens of the reference over the same cache (float32 model, scales 1.0), and the cache is e4m3."""
+    prompts = [{"prompt_token_ids": [5 + i, 17, 90, 3, 42][: 1 + i % 5]} for i in range(9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kwargs = dict(device="cuda", kv_cache_dtype="fp8", num_gpu_blocks=256, max_num_seqs=16, max_model_len=64)
+    runs = {}
+    for name, options in {"ref": dict(attention_backend="ref"),
+                          "triton": dict(attention_backend="triton", enforce_eager=True),
+                          "graphs": dict(attention_backend="triton")}.items():
+        llm = LLM("tiny", **kwargs, **options)
+        assert llm.cache.key_cache[0].dtype == torch.float8_e4m3fn
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs["triton"] == runs["ref"] and runs["graphs"] == runs["ref"]

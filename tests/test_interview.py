@@ -346,7 +346,8 @@ FRAGMENTS: dict[str, dict[str, list[str]]] = {
                "再把 {gqa_kib} KiB 减半到 {fp8_kib} KiB",
                "不用 GQA 装 {per_gib_mha} 个 token，用 GQA 装 {per_gib_gqa} 个，再加 FP8 装 {per_gib_fp8} 个",
                "batch 大到 {capacity_ratio} 倍",
-               "在显存决定 batch 大小的时候，同时运行的请求从 {fp8_paged_batch} 个变成 {fp8_batch} 个（{fp8_batch_ratio} 倍）",
+               "在显存决定 batch 大小的时候，同时运行的请求从 {fp8_paged_batch} 个变成 {fp8_batch} 个"
+               "（{fp8_batch_ratio} 倍）",
                "单个 token 的 log-probability 平均偏 {fp8_mean_drift}"],
     },
     "chunked-prefill-trade": {

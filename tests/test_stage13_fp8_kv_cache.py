@@ -63,7 +63,7 @@ def quantised_inputs(heads, kv_heads, head_dim, block_size, seq_lens, query_lens
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_attention_over_fp8_equals_stage4_over_the_dequantised_values(case):
+def test_attention_over_fp8_equals_the_reference_over_the_dequantised_values(case):
     k_scale, v_scale = 0.02, 0.03
     (query, k8, v8, tables, lens, starts), _, _ = quantised_inputs(*case, k_scale, v_scale)
     got = paged_attention_fp8_ref(query, k8, v8, tables, lens, query_start_loc=starts, k_scale=k_scale,
