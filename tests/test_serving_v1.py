@@ -5,6 +5,7 @@ from functools import partial
 import httpx
 import openai
 import pytest
+import torch
 from helpers_serving import ThreadServer, sse_events
 
 import minipaged.serving.server
@@ -96,10 +97,13 @@ def test_serve_flags_are_vllms_and_reach_the_engine_config(monkeypatch, spelling
     backend, caching = names[spelling]
     with pytest.raises(Built) as built:
         main(["serve", "--port", str(free_port()), "--threads", "1", "--scheduler", "v1", backend, "triton", caching,
-              "--max-num-batched-tokens", "96", "--gpu-memory-utilization", "0.5", "--enforce-eager"])
+              "--max-num-batched-tokens", "96", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+              "--kv-cache-dtype", "fp8", "--calculate-kv-scales"])
     config = built.value.args[0].config
     assert (config.attention_backend, config.enable_prefix_caching) == ("triton", True)
     assert (config.max_num_batched_tokens, config.gpu_memory_utilization, config.enforce_eager) == (96, 0.5, True)
+    assert (config.kv_cache_dtype, config.calculate_kv_scales) == ("fp8", True)  # stage 13's cache
+    assert built.value.args[0].cache.key_cache[0].dtype == torch.float8_e4m3fn
 
 
 def test_an_async_scheduling_server_streams_what_generate_gives():
