@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -63,7 +64,7 @@ from minipaged.stage10_v1_scheduler import KVCacheManager, V1Engine, V1Scheduler
 from minipaged.stage11_tensor_parallel import Executor, follow_rank_0_of, start_tensor_parallel
 from minipaged.stage12_rejection_sampler import NgramProposer
 from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
-from minipaged.stage13_fp8_kv_cache import FP8_BACKENDS, FP8Attention, FP8PagedKVCache, check_fp8_supported
+from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache, check_fp8_supported, fp8_attention
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -77,6 +78,15 @@ def engine_class(c: EngineConfig) -> type[LLMEngine]:
     if c.stage >= 9 and c.enable_prefix_caching:
         return PrefixCachingEngine  # its requests that ask for prompt_logprobs read no cached block
     return SharingEngine if c.stage >= 8 else LLMEngine
+
+
+def kv_cache_parts(c: EngineConfig) -> dict[str, Any]:
+    """The K/V cache's class (given stage 6's sizes) and the attention over it (given the backend's name and
+    the cache; None: stage 4's or 5's by name), as ``kv_cache_dtype`` chooses them: here, or in every worker."""
+    if c.fp8_kv_cache:
+        return {"kv_cache": functools.partial(FP8PagedKVCache, calculate_kv_scales=c.calculate_kv_scales),
+                "attention": fp8_attention}
+    return {"kv_cache": SwapPagedKVCache, "attention": None}
 
 
 class LLM:
@@ -147,18 +157,16 @@ class LLM:
         c, mc = self.config, self.model_config
         model: Any
         cache: Any
+        parts = kv_cache_parts(c)
         if c.tensor_parallel_size > 1:
-            self.executor, model, cache = start_tensor_parallel(c, mc, path)
+            self.executor, model, cache = start_tensor_parallel(c, mc, path, **parts)
             return model, cache
         model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
         scratch = 1 if c.uses_cuda_graphs else 0  # a block no sequence is given: the graphs' padded rows write there
-        sizes = (mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
-                 self.device, c.num_cpu_blocks)
-        if c.fp8_kv_cache:
-            cache = FP8PagedKVCache(*sizes, calculate_kv_scales=c.calculate_kv_scales)
-            self.attention = FP8Attention(FP8_BACKENDS[c.attention_backend], cache)
-        else:
-            cache = SwapPagedKVCache(*sizes)
+        cache = parts["kv_cache"](mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads,
+                                  mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
+        if parts["attention"] is not None:
+            self.attention = parts["attention"](c.attention_backend, cache)
         if c.uses_cuda_graphs:
             model = CUDAGraphModel(model, cache, self.attention, c.max_num_seqs, c.max_model_len)
         return model, cache
@@ -276,7 +284,8 @@ def torchrun_main(argv: list[str] | None = None) -> None:
                   num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
     if rank != 0:
         path = resolve_model_path(args.model)
-        follow_rank_0_of(EngineConfig(model=args.model, **kwargs).resolve(load_config(path)), path, rank)
+        config = EngineConfig(model=args.model, **kwargs)
+        follow_rank_0_of(config.resolve(load_config(path)), path, rank, **kv_cache_parts(config))
         return
     with LLM(args.model, **kwargs) as llm:
         prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]

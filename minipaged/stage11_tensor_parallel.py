@@ -339,24 +339,27 @@ class RemoteKVCache:
         # END SOLUTION
 
 
-def start_tensor_parallel(config: ResolvedEngineConfig, model_config: ModelConfig,
-                          path: Path) -> tuple[Executor, TensorParallelModel, RemoteKVCache]:
+def start_tensor_parallel(config: ResolvedEngineConfig, model_config: ModelConfig, path: Path,
+                          **parts: Any) -> tuple[Executor, TensorParallelModel, RemoteKVCache]:
     """Start ``config.tensor_parallel_size`` workers holding the model's shards and their K/V; return
     the executor and the driver's stand-ins for the model and the cache, which the runner of stage 7
-    or 10 calls as it calls the real ones."""
+    or 10 calls as it calls the real ones. ``parts``: the workers' ``kv_cache`` and ``attention``
+    (``WorkerConfig``'s), where the configuration chose others than stage 6's cache."""
     c = config
     external = c.distributed_executor_backend == "external_launcher"
-    executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config(c, path))
+    executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config(c, path, **parts))
     cache = RemoteKVCache(executor, model_config, torch.device(c.device), c.num_gpu_blocks, c.block_size)
     return executor, TensorParallelModel(executor, c.attention_backend), cache
 
 
-def worker_config(config: ResolvedEngineConfig, path: Path) -> WorkerConfig:
-    """What every worker is started with: the model's folder, and the engine's dtype, device and cache sizes."""
+def worker_config(config: ResolvedEngineConfig, path: Path, **parts: Any) -> WorkerConfig:
+    """What every worker is started with: the model's folder, and the engine's dtype, device and cache sizes
+    (``parts``: the cache and attention chosen for it, as ``WorkerConfig`` names them)."""
     return WorkerConfig(str(path), str(config.torch_dtype).removeprefix("torch."), str(config.device),
-                        config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.tensor_parallel_size)
+                        config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.tensor_parallel_size,
+                        **parts)
 
 
-def follow_rank_0_of(config: ResolvedEngineConfig, path: Path, rank: int) -> None:
+def follow_rank_0_of(config: ResolvedEngineConfig, path: Path, rank: int, **parts: Any) -> None:
     """Under ``torchrun``, a rank other than 0: load its shard and follow rank 0 until it shuts down."""
-    follow_rank_0(worker_config(config, path), rank)
+    follow_rank_0(worker_config(config, path, **parts), rank)

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -57,6 +58,10 @@ class WorkerConfig:
     tensor_parallel_size: int
     init_method: str = "env://"  # a rendezvous: "file://...", "tcp://host:port", or torchrun's environment
     timeout_s: float = 60.0  # of every collective
+    # The K/V cache the engine's configuration chose (built with stage 6's arguments), and the attention
+    # backend over it, given the step's backend name (None: stage 4's or 5's, by name). Both are picklable.
+    kv_cache: Callable[..., Any] = SwapPagedKVCache
+    attention: Callable[[str, Any], Callable[..., torch.Tensor]] | None = None
 
 
 @dataclasses.dataclass
@@ -107,9 +112,13 @@ class Worker:
         c = self.config
         self.model, self.model_config = load_model_shard(c.model, c.dtype, self.device, self.rank, self.world_size)
         mc = self.model_config
-        self.cache = SwapPagedKVCache(mc.num_layers, c.num_gpu_blocks, c.block_size,
-                                      num_kv_heads_per_rank(mc, self.world_size), mc.head_dim,
-                                      resolve_dtype(c.dtype), self.device, c.num_cpu_blocks)
+        self.cache = c.kv_cache(mc.num_layers, c.num_gpu_blocks, c.block_size,
+                                num_kv_heads_per_rank(mc, self.world_size), mc.head_dim,
+                                resolve_dtype(c.dtype), self.device, c.num_cpu_blocks)
+
+    def attention_backend(self, name: str) -> Callable[..., torch.Tensor]:
+        """The backend a step names (``"ref"``, ``"triton"``), over this rank's cache."""
+        return backend_named(name) if self.config.attention is None else self.config.attention(name, self.cache)
 
     def execute_model(self, step: StepInputs) -> np.ndarray | None:
         """Run one step on this shard: the block moves on this rank's blocks in the runner's order (swap
@@ -121,7 +130,7 @@ class Worker:
         self.cache.copy_blocks(step.blocks_to_copy)
         device = self.device  # the driver checked the step's metadata on its host: copied here as it is
         meta = AttentionMetadata.from_host(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
-                                           backend_named(step.attention_backend), device)
+                                           self.attention_backend(step.attention_backend), device)
         with torch.inference_mode():
             input_ids, positions = torch.from_numpy(step.input_ids), torch.from_numpy(step.positions)
             hidden = self.model(input_ids.to(device), positions.to(device), self.cache, meta)

@@ -37,7 +37,9 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from minipaged.models.parallel import get_tensor_model_parallel_world_size
 from minipaged.stage4_reference_attention import check_paged_attention_args, paged_attention_ref
 from minipaged.stage6_swapping import SwapPagedKVCache
 
@@ -110,9 +112,14 @@ class FP8PagedKVCache(SwapPagedKVCache):
 
     def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """vLLM's ``calculate_kv_scales``: ``k_scale = max|key| / 200``, ``v_scale = max|value| / 100``
-        (a scale stays 1.0 where every value is 0). Reads two numbers back from the device."""
+        (a scale stays 1.0 where every value is 0). The two maxima are read back from the device at once;
+        under tensor parallelism (stage 11) each rank holds some KV heads, and the ranks first agree on the
+        largest, so that every rank, and the engine, have the scales one process would."""
+        largest = torch.stack([key.abs().max(), value.abs().max()]).float()
+        if get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         # BEGIN SOLUTION each scale from its own tensor's largest magnitude, over its own constant
-        k_max, v_max = float(key.abs().max()), float(value.abs().max())
+        k_max, v_max = largest.tolist()
         self.k_scale[layer] = k_max / K_SCALE_CONSTANT if k_max > 0 else 1.0
         self.v_scale[layer] = v_max / V_SCALE_CONSTANT if v_max > 0 else 1.0
         self.needs_scales[layer] = False  # from now on the layer's scales stay: its blocks were written with them
@@ -237,6 +244,12 @@ class FP8Attention:
                             k_scale=self.cache.k_scale[layer], v_scale=self.cache.v_scale[layer], **kwargs)
 
 
+def fp8_attention(name: str, cache: FP8PagedKVCache) -> FP8Attention:
+    """The backend named ``name`` (``"ref"`` or ``"triton"``) over ``cache``: what the engine's layers call,
+    in this process or in a tensor-parallel worker."""
+    return FP8Attention(FP8_BACKENDS[name], cache)
+
+
 def check_fp8_supported(device: str | torch.device, attention_backend: str) -> None:
     """``ValueError`` where the Triton kernels cannot read e4m3: Triton's ``fp8e4nv`` needs a GPU of compute
     capability 8.9 or more (Ada, Hopper), as vLLM's FP8 kernels do; the reference runs anywhere."""
@@ -250,7 +263,6 @@ def check_fp8_supported(device: str | torch.device, attention_backend: str) -> N
 
 
 __all__ = ["FP8_BACKENDS", "FP8_DTYPE", "FP8_MAX", "FP8Attention", "FP8PagedKVCache", "K_SCALE_CONSTANT",
-           "V_SCALE_CONSTANT",
-           "attention_error_bound", "check_fp8_attention_args", "check_fp8_supported", "dequantize_fp8",
-           "dequantized_blocks", "fp8_rounding_bound", "paged_attention_fp8_ref", "paged_attention_fp8_triton",
-           "quantize_fp8"]
+           "V_SCALE_CONSTANT", "attention_error_bound", "check_fp8_attention_args", "check_fp8_supported",
+           "dequantize_fp8", "dequantized_blocks", "fp8_attention", "fp8_rounding_bound", "paged_attention_fp8_ref",
+           "paged_attention_fp8_triton", "quantize_fp8"]

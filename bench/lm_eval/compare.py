@@ -2,6 +2,9 @@
 log-likelihood (``resps``) and every aggregated metric, side by side.
 
     python bench/lm_eval/compare.py build/lm_eval_results/server build/lm_eval_results/hf
+
+``--json FILE --label NAME`` also keeps the comparison in FILE under NAME (the other labels kept):
+bench/results/lm_eval_fp8.json holds the runs of stage 13's FP8 cache against transformers.
 """
 
 from __future__ import annotations
@@ -38,7 +41,25 @@ def cell(value) -> str:
     return f"{value:>12.6f}" if isinstance(value, float | int) else f"{value!s:>12}"
 
 
-def main(a: str, b: str) -> int:
+def summary(a: Path, b: Path) -> dict:
+    """Both runs' metrics, and how far each task's log-likelihoods are apart: the largest and the mean."""
+    ra, rb = results(a), results(b)
+    la, lb = loglikelihoods(a), loglikelihoods(b)
+    out: dict = {"metrics": {}, "loglikelihood_drift": {}}
+    for task in sorted(ra):
+        out["metrics"][task] = {metric: [ra[task][metric], rb.get(task, {}).get(metric)]
+                                for metric in sorted(k for k in ra[task] if "," in k and "stderr" not in k)}
+        diffs = [abs(la[k] - lb[k]) for k in la if k in lb and k[0] == task]
+        out["loglikelihood_drift"][task] = {"requests": len(diffs), "largest": max(diffs, default=0.0),
+                                            "mean": sum(diffs) / len(diffs) if diffs else 0.0}
+    return out
+
+
+def main(a: str, b: str, json_path: str | None = None, label: str | None = None) -> int:
+    if json_path:
+        kept = json.loads(Path(json_path).read_text()) if Path(json_path).is_file() else {}
+        kept[label or Path(a).name] = summary(Path(a), Path(b))
+        Path(json_path).write_text(json.dumps(kept, indent=2) + "\n")
     ra, rb = results(Path(a)), results(Path(b))
     print(f"{'task':<20} {'metric':<24} {Path(a).name:>12} {Path(b).name:>12}")
     for task in sorted(ra):
@@ -53,4 +74,12 @@ def main(a: str, b: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", help="one run's --output_path")
+    parser.add_argument("b", help="the other's")
+    parser.add_argument("--json", help="also keep the comparison in this file")
+    parser.add_argument("--label", help="its name there (default: the first folder's)")
+    args = parser.parse_args()
+    sys.exit(main(args.a, args.b, args.json, args.label))

@@ -6,6 +6,9 @@
 #   bash bench/lm_eval/run.sh              # the tiny model
 #   MODEL=path/to/model bash bench/lm_eval/run.sh
 #   SERVE_ARGS="--scheduler v1" bash bench/lm_eval/run.sh   # more options for minipaged serve
+#   SERVE_ARGS="--kv-cache-dtype fp8 --calculate-kv-scales" \
+#     COMPARE_ARGS="--json bench/results/lm_eval_fp8.json --label fp8_calibrated" bash bench/lm_eval/run.sh
+#                                          # stage 13's FP8 cache, its drift kept in bench/results/
 #
 # lm-eval is not a dependency of minipaged: it is installed once in its own virtual environment,
 # build/lm_eval_venv (a few minutes), with the torch, transformers and tokenizers minipaged uses.
@@ -51,4 +54,5 @@ echo "== transformers (hf)"
 "$VENV/bin/lm_eval" --model hf --model_args "pretrained=$FOLDER,dtype=float32,max_length=$MAX_LEN" --device cpu \
   --tasks "$TASKS" --include_path bench/lm_eval --output_path "$OUT/hf" --log_samples 2>/dev/null
 
-"$VENV/bin/python" bench/lm_eval/compare.py "$OUT/server" "$OUT/hf"
+# shellcheck disable=SC2086  # COMPARE_ARGS is a list of options
+"$VENV/bin/python" bench/lm_eval/compare.py "$OUT/server" "$OUT/hf" ${COMPARE_ARGS:-}

@@ -222,8 +222,6 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.async_scheduling and c.tensor_parallel_size > 1,
      "the executor carries one step at a time and the async worker would wait on it: "
      "async_scheduling with tensor_parallel_size > 1"),
-    (lambda c: c.fp8_kv_cache and c.tensor_parallel_size > 1,
-     "the workers build caches of the model's dtype: kv_cache_dtype='fp8' with tensor_parallel_size > 1"),
     (lambda c: c.calculate_kv_scales and c.uses_cuda_graphs,
      "the graphs are captured before the first batch sets the scales: calculate_kv_scales needs enforce_eager=True"),
 ]

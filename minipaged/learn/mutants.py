@@ -516,8 +516,8 @@ CATALOGUE: list[Mutant] = [
     m(13, "K written with the previous layer's scale", ("quantize_fp8(key, self.k_scale[layer])",
                                                         "quantize_fp8(key, self.k_scale[layer - 1])")),
     m(13, "K calibrated with V's constant", ("k_max / K_SCALE_CONSTANT", "k_max / V_SCALE_CONSTANT")),
-    m(13, "calibrated from the mean magnitude", ("k_max, v_max = float(key.abs().max()), float(value.abs().max())",
-                                                 "k_max, v_max = float(key.abs().mean()), float(value.abs().mean())")),
+    m(13, "calibrated from the mean magnitude", ("k_max, v_max = largest.tolist()",
+                                                 "k_max, v_max = key.abs().mean().item(), value.abs().mean().item()")),
     m(13, "calibrated again on every write", (
         "        self.needs_scales[layer] = False  # from now on", "        pass  # from now on")),
     m(13, "a zero batch gives a zero scale", ("k_max / K_SCALE_CONSTANT if k_max > 0 else 1.0",
