@@ -323,3 +323,22 @@ def test_the_readmes_fp8_row_is_the_benchmarks():
     bound = result("batch_capacity")["memory_bound"]["ShareGPT/1.0"]
     row = f"{bound['paged']:.1f} / **{bound['paged_fp8']:.1f}** ({bound['paged_fp8'] / bound['paged']:.2f}×)"
     assert row in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_stage_13s_lm_eval_table_is_the_runs():
+    """bench/lm_eval/run.sh through the server, its comparisons kept in bench/results/lm_eval_fp8.json."""
+    data = result("lm_eval_fp8")
+    expected = []
+    for label in ("auto", "fp8", "fp8_calibrated"):
+        drift, metrics = data[label]["loglikelihood_drift"], data[label]["metrics"]
+        requests = sum(task["requests"] for task in drift.values())
+        mean = sum(task["mean"] * task["requests"] for task in drift.values()) / requests
+        expected.append([f"{metrics['minipaged_tiny_mc']['acc,none'][0]:.2f}",
+                         f"{metrics['minipaged_tiny_mc']['acc_norm,none'][0]:.2f}",
+                         f"{metrics['minipaged_tiny_ppl']['bits_per_byte,none'][0]:.4f}",
+                         f"{max(task['largest'] for task in drift.values()):.3g}", f"{mean:.3g}"])
+    for page in ("13_fp8_kv_cache.md", "13_fp8_kv_cache.zh.md"):
+        lines = (DOCS / "stages" / page).read_text(encoding="utf-8").splitlines()
+        rows = [[cell.strip() for cell in line.strip("|").split("|")][1:] for line in lines
+                if re.match(r"\| (float32|e4m3)[ ,，（(]", line)]
+        assert rows == expected, page
