@@ -97,6 +97,13 @@ def check(stage: int, index: int, *expected) -> None:
         assert bold_spans(translated, index) == want, f"{translated.name}, question {index + 1}"
 
 
+def check_both(page: Path, index: int, *expected) -> None:
+    """Question ``index`` of a stage's page and of its translation (the same numbers) answers ``expected``."""
+    want = [normal(e) for e in expected]
+    for each in (page, page.with_name(page.name.replace(".md", ".zh.md"))):
+        assert bold_spans(each, index) == want, f"{each.name}, question {index + 1}: {answers(each)[index][0]}"
+
+
 IN_CHINESE = {"no": "不能", "yes": "能", "recomputed": "重算"}  # a word answer, as the Chinese pages say it
 
 
@@ -650,10 +657,7 @@ PAGE10 = STAGES / "10_v1_scheduler.md"
 
 
 def check10(index: int, *expected) -> None:
-    """Question ``index`` of stage 10's page (and of its translation) answers ``expected``."""
-    want = [normal(e) for e in expected]
-    for page in (PAGE10, PAGE10.with_name("10_v1_scheduler.zh.md")):
-        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+    check_both(PAGE10, index, *expected)
 
 
 def v1_scheduler(budget: int, block_size: int = 4, num_blocks: int = 64):
@@ -776,10 +780,7 @@ NVLINK_ONE_WAY = 450e9  # an H100 SXM's NVLink: 900 GB/s, both directions togeth
 
 
 def check11(index: int, *expected) -> None:
-    """Question ``index`` of stage 11's page and of its translation answers ``expected``."""
-    want = [normal(e) for e in expected]
-    for page in (PAGE11, PAGE11.with_name("11_tensor_parallel.zh.md")):
-        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+    check_both(PAGE11, index, *expected)
 
 
 def all_reduce_bytes(config, tokens: int, dtype_bytes: int) -> int:
@@ -867,10 +868,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 
 
 def check12(index: int, *expected) -> None:
-    """Question ``index`` of stage 12's page and of its translation answers ``expected``."""
-    want = [normal(e) for e in expected]
-    for page in (PAGE12, PAGE12.with_name("12_speculative.zh.md")):
-        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+    check_both(PAGE12, index, *expected)
 
 
 def test_stage12_page_ends_with_a_self_check_and_an_interview_answer():
@@ -973,10 +971,7 @@ PAGE13 = STAGES / "13_fp8_kv_cache.md"
 
 
 def check13(index: int, *expected) -> None:
-    """Question ``index`` of stage 13's page and of its translation answers ``expected``."""
-    want = [normal(e) for e in expected]
-    for page in (PAGE13, PAGE13.with_name("13_fp8_kv_cache.zh.md")):
-        assert bold_spans(page, index) == want, f"{page.name}, question {index + 1}: {answers(page)[index][0]}"
+    check_both(PAGE13, index, *expected)
 
 
 def test_stage13_page_ends_with_a_self_check_and_an_interview_answer():
