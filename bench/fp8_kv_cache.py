@@ -55,9 +55,7 @@ def token_logprobs(llm: LLM, prompts: list[str]) -> list[list[float]]:
     """Each prompt's tokens' log-probabilities, its first token's left out (it has none)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[next(iter(d.values())) if len(d) == 1 else d[t] for d, t in zip(o.prompt_logprobs[1:],
-                                                                              o.prompt_token_ids[1:], strict=True)]
-            for o in outs]
+    return [[d[t] for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)] for o in outs]
 
 
 def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:

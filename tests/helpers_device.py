@@ -135,18 +135,20 @@ def _to_host(tensor: torch.Tensor, args, kwargs) -> bool:
     return torch.device(target).type == "cpu" and tensor.device.type != "cpu"
 
 
-_ON_CUDA: set[int] = set()  # the ids of the generators that stand in for CUDA ones
+# The generators that stand in for CUDA ones. Held weakly, by the object: an id would outlive its generator,
+# and a plain CPU generator made later at the same address would pass for one on CUDA.
+_ON_CUDA: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 
 
 def fake_cuda_generator(seed: int = 0) -> torch.Generator:
     """A generator that ``fake_cuda``'s draws take for one on CUDA (a CPU build cannot make one)."""
     generator = torch.Generator().manual_seed(seed)
-    _ON_CUDA.add(id(generator))
+    _ON_CUDA.add(generator)
     return generator
 
 
 def _generator_device(generator: torch.Generator) -> torch.device:
-    return torch.device("cuda", 0) if id(generator) in _ON_CUDA else torch.device(generator.device)
+    return torch.device("cuda", 0) if generator in _ON_CUDA else torch.device(generator.device)
 
 
 def _split_index(t: torch.Tensor, key) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
