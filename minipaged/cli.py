@@ -71,8 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
           device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
           **_given(args, "max_num_batched_tokens", "enable_prefix_caching"), enforce_eager=args.enforce_eager,
           kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-          logprobs_mode=args.logprobs_mode, scheduler=args.scheduler, tensor_parallel_size=args.tensor_parallel_size,
+          logprobs_mode=args.logprobs_mode, tensor_parallel_size=args.tensor_parallel_size,
+          scheduler=args.scheduler or ("v1" if args.kv_transfer_config else "v0"),
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
+          **({"kv_transfer_config": args.kv_transfer_config} if args.kv_transfer_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
     return 0
 
@@ -282,9 +284,10 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20, help="larger bodies get HTTP 413")
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")
-    p.add_argument("--scheduler", default="v0", choices=["v0", "v1"],
-                   help="v0: the paper's (stage 6: swap or recompute, n > 1, beams); v1: stage 10's (one token "
-                        "budget per step, chunked prefill, prefix caching on by default)")
+    p.add_argument("--scheduler", choices=["v0", "v1"],
+                   help="v0: the paper's (stage 6: swap or recompute, n > 1, beams; the default); v1: stage 10's "
+                        "(one token budget per step, chunked prefill, prefix caching on by default; the default "
+                        "with --kv-transfer-config)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="with --scheduler v1: schedule each step while the one before runs")
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
@@ -292,7 +295,27 @@ def _add_serve_command(sub) -> None:
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' (stage 12)')
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="worker processes that each hold a shard of the model and of every KV block (stage 11)")
+    p.add_argument("--kv-transfer-config", type=json.loads, metavar="JSON",
+                   help='disaggregated prefill, vLLM\'s kv_transfer_config, e.g. \'{"kv_connector": '
+                        '"SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config": '
+                        '{"shared_storage_path": "local_storage"}}\' (stage 14)')
     p.set_defaults(run=_serve)
+
+
+def _disagg_proxy(args: argparse.Namespace) -> int:
+    from minipaged.serving.disagg_proxy import run_proxy
+
+    run_proxy(args.prefill, args.decode, args.host, args.port)
+    return 0
+
+
+def _add_disagg_proxy_command(sub) -> None:
+    p = sub.add_parser("disagg-proxy", help="one address in front of a prefill server and a decode server (stage 14)")
+    p.add_argument("--prefill", required=True, help="the producer's URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, help="the consumer's URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.set_defaults(run=_disagg_proxy)
 
 
 def _add_demo_command(sub) -> None:
@@ -331,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_learning_commands(sub)
     _add_generate_command(sub)
     _add_serve_command(sub)
+    _add_disagg_proxy_command(sub)
     _add_demo_command(sub)
     return parser
 

@@ -13,6 +13,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | engine (the loop) | ``scheduler``, ``stage``, ``async_scheduling``, ``speculative_config`` | 7, 8, 9, 10, 12 |
 | proposer | ``speculative_config``: none, or n-gram | 12 |
 | K/V storage and attention | ``kv_cache_dtype``: the model's dtype, or e4m3 with per-layer scales | 6, 13 |
+| KV connector | ``kv_transfer_config``: none, or one that loads and saves blocks (producer, consumer, both) | 14 |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
@@ -36,7 +37,7 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.common.config import EngineConfig, SpeculativeConfig
+from minipaged.common.config import EngineConfig, KVTransferConfig, SpeculativeConfig
 from minipaged.common.processor import Prompt
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import RequestOutput, RequestOutputKind, SamplingParams
@@ -65,6 +66,13 @@ from minipaged.stage11_tensor_parallel import Executor, follow_rank_0_of, start_
 from minipaged.stage12_rejection_sampler import NgramProposer
 from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
 from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache, check_fp8_supported, fp8_attention
+from minipaged.stage14_disaggregated_prefill import (
+    ConnectorKVCacheManager,
+    KVConnectorEngine,
+    KVConnectorModelRunner,
+    KVConnectorScheduler,
+)
+from minipaged.stage14_kv_connector import KVConnectorRole, create_connector
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -72,6 +80,8 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 def engine_class(c: EngineConfig) -> type[LLMEngine]:
     """The loop that steps the parts: stage 7's, with the ideas of the stages above it that ``c`` asks for."""
     if c.scheduler == "v1":
+        if c.kv_transfer_config is not None:
+            return KVConnectorEngine
         if c.speculative_config is not None:
             return SpecDecodeEngine
         return AsyncV1Engine if c.async_scheduling else V1Engine
@@ -146,6 +156,11 @@ class LLM:
             return Scheduler(block_manager, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
                              max_num_batched_tokens=c.max_num_batched_tokens, preemption_mode=c.preemption_mode)
         assert c.max_num_batched_tokens is not None  # V1's default is set where the config is made
+        if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's scheduler side, by the blocks
+            connector = create_connector(c.kv_transfer_config, KVConnectorRole.SCHEDULER, c.block_size)
+            return KVConnectorScheduler(ConnectorKVCacheManager(block_manager, connector),
+                                        max_num_batched_tokens=c.max_num_batched_tokens,
+                                        max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
         v1_class = (SpecDecodeScheduler if c.speculative_config is not None
                     else AsyncScheduler if c.async_scheduling else V1Scheduler)
         return v1_class(KVCacheManager(block_manager), max_num_batched_tokens=c.max_num_batched_tokens,
@@ -175,6 +190,10 @@ class LLM:
         c, backend = self.config, self.attention
         if c.scheduler == "v0":
             return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
+        if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
+            connector = create_connector(c.kv_transfer_config, KVConnectorRole.WORKER, c.block_size)
+            return KVConnectorModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
+                                          backend, connector)
         runner_class = SpecDecodeModelRunner if c.speculative_config is not None else V1ModelRunner
         return runner_class(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend)
 
@@ -239,14 +258,18 @@ class LLM:
 
     @property
     def stats(self) -> Stats:
-        """What the engine, the scheduler, the prefix cache and the drafts counted since this ``LLM`` was made."""
+        """What the engine, the scheduler, the prefix cache, the drafts and the KV connector counted since this
+        ``LLM`` was made."""
         allocator = self.scheduler.block_manager.allocator
         engine = self.engine
         return Stats(engine=dataclasses.replace(engine.stats), scheduler=self.scheduler.make_stats(),
                      prefix_cache=(allocator.make_stats() if isinstance(allocator, PrefixCachingAllocator)
                                    else PrefixCacheStats()),
                      spec_decoding=(dataclasses.replace(engine.spec_stats)
-                                    if isinstance(engine, SpecDecodeEngine) else None))
+                                    if isinstance(engine, SpecDecodeEngine) else None),
+                     kv_transfer=(self.scheduler.make_kv_transfer_stats() + engine.runner.connector.make_stats()
+                                  if isinstance(engine, KVConnectorEngine)
+                                  and isinstance(self.scheduler, KVConnectorScheduler) else None))
 
     # ---- workers ----
 

@@ -495,6 +495,58 @@ def fp8_kv_cache():
     _save(fig, "fp8_kv_cache.svg")
 
 
+def disaggregated_prefill():
+    """Stage 14: a prompt's full blocks leave the producer's block table as files named by their hash, and
+    enter the consumer's table under other block ids; the consumer computes only the last block."""
+    import tempfile
+
+    from minipaged import LLM
+    from minipaged.stage14_kv_connector import prompt_block_hashes
+
+    folder, size = tempfile.mkdtemp(), 4
+    prompt = {"prompt_token_ids": list(range(101, 115))}  # 14 tokens: 3 full blocks travel, the 4th holds the last
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # still running after a step
+    tables = {}
+    for kv_role, other in (("kv_producer", 0), ("kv_consumer", 9)):
+        llm = LLM("tiny", block_size=size, num_gpu_blocks=16, max_model_len=64, kv_transfer_config={
+            "kv_role": kv_role, "kv_connector_extra_config": {"shared_storage_path": folder}})
+        if other:  # another request already holds blocks here: the same K/V land in other block ids
+            llm.engine.add_request("other", {"prompt_token_ids": list(range(1, 1 + other))}, params)
+            llm.engine.step()
+        request = llm.engine.add_request("r", prompt, params)
+        llm.engine.step()
+        tables[kv_role] = llm.scheduler.block_manager.get_block_table(request.seqs[0].seq_id)
+    names = prompt_block_hashes(prompt["prompt_token_ids"], size)
+    fig, ax = plt.subplots(figsize=(7.2, 2.9))
+    w, gap, rows = 1.25, 0.35, {"kv_producer": 2.4, "kv_consumer": 0.0}
+    for kv_role, y in rows.items():
+        ax.text(-0.15, y + 0.3, "producer" if kv_role == "kv_producer" else "consumer", ha="right", va="center",
+                fontsize=10)
+        for i, block_id in enumerate(tables[kv_role]):
+            filled = min(size, 14 - i * size)
+            travels = i < len(names)
+            label = f"block {block_id}" + ("" if travels or kv_role == "kv_producer" else "\ncomputed here")
+            _slotted_block(ax, i * (w + gap), y, w, 0.6, size, filled, label, fontsize=8.5)
+            if not travels and kv_role == "kv_consumer":
+                ax.add_patch(Rectangle((i * (w + gap), y), w, 0.6, facecolor="none", edgecolor="#c44e52", lw=1.6))
+    for i, digest in enumerate(names):
+        x = i * (w + gap)
+        _block(ax, x + 0.05, 1.25, w - 0.1, 0.5, f"{digest.hex()[:8]}…", "#55a868")
+        ax.texts[-1].set_fontsize(8.5)
+        for y0, y1 in ((2.4, 1.75), (1.25, 0.6)):
+            ax.annotate("", (x + w / 2, y1), (x + w / 2, y0), arrowprops=dict(arrowstyle="->", color="#555555"))
+    ax.text(-0.15, 1.5, "files, named\nby the hash", ha="right", va="center", fontsize=9)
+    last = len(names) * (w + gap)
+    ax.text(last + w + 0.2, 1.5, "save_kv_layer, wait_for_save\n(after the forward)\n\nstart_load_kv\n"
+            "(before the forward)", fontsize=8.5, va="center", color="#333333")
+    ax.text(last + w / 2, 1.5, "the last token's\nblock: no file", ha="center", va="center", fontsize=8,
+            color="#555555")
+    ax.set_xlim(-1.4, last + w + 2.6)
+    ax.set_ylim(-0.1, 3.1)
+    ax.axis("off")
+    _save(fig, "disaggregated_prefill.svg")
+
+
 DECODE_CONTEXT = 512  # tokens per request in stage 0's decode figure: about a ShareGPT request (161 + 338)
 # Its words, in English and in Chinese (decode_throughput.zh.svg: the Chinese site shows it in its place).
 DECODE_LABELS = {
@@ -571,7 +623,7 @@ def _decode_throughput(language):
 # Every figure, in the order ``main`` draws them; each writes docs/figures/<its name>.svg (and its translations).
 FIGURES = (paged_memory, contiguous_waste, decode_throughput, block_pool, block_table, copy_on_write, gather,
            split_kv, schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
-           speculative_step, fp8_kv_cache)
+           speculative_step, fp8_kv_cache, disaggregated_prefill)
 
 
 def main():

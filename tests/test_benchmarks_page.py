@@ -325,6 +325,14 @@ def test_the_readmes_fp8_row_is_the_benchmarks():
     assert row in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
+def test_the_readmes_disaggregated_row_is_the_benchmarks():
+    rows = result("disaggregated")["summary"]
+    one, split = rows["one engine, 1 thread"], rows["producer + consumer"]
+    row = (f"{one['itl_p99_ms']:,.0f} / **{split['itl_p99_ms']:,.0f}** ms "
+           f"({one['itl_p99_ms'] / split['itl_p99_ms']:.1f}× lower)")
+    assert row in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_stage_13s_lm_eval_table_is_the_runs():
     """bench/lm_eval/run.sh through the server, its comparisons kept in bench/results/lm_eval_fp8.json."""
     data = result("lm_eval_fp8")
@@ -342,3 +350,25 @@ def test_stage_13s_lm_eval_table_is_the_runs():
         rows = [[cell.strip() for cell in line.strip("|").split("|")][1:] for line in lines
                 if re.match(r"\| (float32|e4m3)[ ,，（(]", line)]
         assert rows == expected, page
+
+
+def disaggregated_rows(data: dict) -> list[list[str]]:
+    return [[name, f"{r['itl_no_burst_ms']:,.0f}", f"{r['itl_p50_ms']:,.0f}", f"{r['itl_p99_ms']:,.0f}",
+             f"{r['itl_max_ms']:,.0f}", f"{r['ttft_mean_ms']:,.0f}"] for name, r in data["summary"].items()]
+
+
+def test_disaggregated_prefill():
+    """The decodes' inter-token latency during a burst, as bench/disaggregated.py measured it, on this page and
+    on stage 14's page; the bytes moved per request equal to the formula."""
+    data = result("disaggregated")
+    (table,) = english_tables()["disaggregated.py"]
+    assert table == disaggregated_rows(data)
+    moved = data["bytes_per_request"]
+    assert moved["measured"] == moved["formula"]
+    assert f"{moved['measured']:,.0f} bytes" in text_of("disaggregated.py")
+    for page in ("14_disaggregated_prefill.md", "14_disaggregated_prefill.zh.md"):  # the table after the marker
+        marker = "<!-- bench/results/disaggregated.json -->"
+        text = (DOCS / "stages" / page).read_text(encoding="utf-8").split(marker)[1]
+        rows = [[c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+                for line in tables(text)[0][0].splitlines()[2:]]
+        assert [row[1:] for row in rows] == [row[1:] for row in disaggregated_rows(data)], page

@@ -355,3 +355,56 @@ def test_a_whole_step_runs_on_cuda_from_the_schedulers_output_to_the_samplers_on
         with pytest.raises(DataDependentOutputException) as error:
             Sampler()(logits, rows, EVERY_RULE[:3])
     assert raised_at(error.value).startswith("compute_logprobs")
+
+
+# -- stage 14: a KV connector's loads and saves stay out of the forward ----------------------------------------------
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_a_connectors_loads_and_saves_read_no_device_value_inside_the_forward(kv_role, tmp_path):
+    """A producer's step that saves blocks and a consumer's step that loads them: the forward reads nothing
+    back; the saves come to the host after it (``wait_for_save``)."""
+    prompt = {"prompt_token_ids": list(range(40, 53))}  # 3 blocks of 4 travel
+    store = {"kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    if kv_role == "kv_consumer":
+        LLM("tiny", block_size=4, num_gpu_blocks=32, kv_transfer_config={"kv_role": "kv_producer", **store}
+            ).generate([prompt], params, use_tqdm=False)
+    llm = LLM("tiny", block_size=4, num_gpu_blocks=32, attention_backend="triton",  # the reference walks prompts
+              kv_transfer_config={"kv_role": kv_role, **store})
+    llm.engine.add_request(0, prompt, params)
+    with count_host_syncs(llm.model) as count:
+        llm.engine.step()
+    transfer = llm.stats.kv_transfer
+    assert (transfer.num_saved_blocks, transfer.num_loaded_blocks) == ((3, 0) if kv_role == "kv_producer" else (0, 3))
+    assert count.forward == 0, dict(count.in_forward)
+
+
+def test_a_connectors_step_runs_on_cuda_up_to_the_saves_copy_to_the_host(tmp_path, monkeypatch):
+    """On fake CUDA tensors: the loads copied into the cache, the forward, each layer's blocks gathered on
+    the device; the first read of a value is the saves' copy to the host, after the forward."""
+    from minipaged import stage5_triton_attention as s5
+    from minipaged.stage6_swapping import SwapPagedKVCache
+    from minipaged.stage14_disaggregated_prefill import KVConnectorModelRunner
+    from minipaged.stage14_kv_connector import KVConnectorRole, create_connector
+
+    store = {"kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    first = {"prompt_token_ids": list(range(60, 69))}
+    LLM("tiny", block_size=4, num_gpu_blocks=32, kv_transfer_config={"kv_role": "kv_producer", **store}
+        ).generate([first], SamplingParams(max_tokens=1), use_tqdm=False)  # 2 blocks on disk
+    llm = LLM("tiny", block_size=4, num_gpu_blocks=32, kv_transfer_config={"kv_role": "kv_both", **store})
+    mc = llm.model_config
+    llm.engine.add_request(0, first, SamplingParams(max_tokens=2))  # loads 2 blocks
+    llm.engine.add_request(1, {"prompt_token_ids": list(range(80, 89))}, SamplingParams(max_tokens=2))  # saves 2
+    out = llm.scheduler.schedule()
+    connector = create_connector(llm.config.kv_transfer_config, KVConnectorRole.WORKER, 4)
+    launches = Launches()
+    monkeypatch.setattr(s5, "_prefill_kernel", launches.kernel("_prefill_kernel"))
+    with fake_cuda():
+        cache = SwapPagedKVCache(mc.num_layers, 32, 4, mc.num_kv_heads, mc.head_dim, device="cuda")
+        runner = KVConnectorModelRunner(FakeCudaModel(llm.model), cache, 4, 8, llm.max_model_len,
+                                        s5.paged_attention_triton, connector)
+        with pytest.raises((DataDependentOutputException, RuntimeError)) as error:  # a fake tensor has no bytes
+            runner.execute_model(out)
+    assert raised_at(error.value).startswith("checksum")  # the saves' bytes, hashed on the host
+    assert launches.launched == ["_prefill_kernel"] * mc.num_layers  # the whole forward ran first
+    assert connector.make_stats().num_loaded_blocks == 2 and connector.metadata is None

@@ -20,6 +20,7 @@ from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler
 from minipaged.stage11_tensor_parallel import RemoteKVCache, StepHidden, TensorParallelModel
 from minipaged.stage12_rejection_sampler import NgramProposer
 from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
+from minipaged.stage14_disaggregated_prefill import KVConnectorEngine, KVConnectorModelRunner, KVConnectorScheduler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 REPEATS = [5, 17, 90, 3, 42, 8, 25, 11, 7]
@@ -27,6 +28,7 @@ SHARED = REPEATS * 3  # a prefix of 27 tokens every prompt starts with
 PROMPTS = [SHARED + [1, 2, 3, 1, 2, 3], SHARED + [60, 61], SHARED + REPEATS[:4] * 2, SHARED + [99]]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SMALL = dict(block_size=4, num_gpu_blocks=128)
+CONNECTOR = {"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "never-written"}}
 
 
 def run(llm, prompts=PROMPTS, params=GREEDY):
@@ -52,6 +54,10 @@ PARTS = [  # (config, engine, scheduler, block manager, runner): exactly these c
     (dict(), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),  # the top, without drafts
     (dict(speculative_config=NGRAM), SpecDecodeEngine, SpecDecodeScheduler, PrefixCachingBlockSpaceManager,
      SpecDecodeModelRunner),
+    (dict(kv_transfer_config=CONNECTOR), KVConnectorEngine, KVConnectorScheduler, PrefixCachingBlockSpaceManager,
+     KVConnectorModelRunner),
+    (dict(kv_transfer_config=CONNECTOR, enable_prefix_caching=False), KVConnectorEngine, KVConnectorScheduler,
+     SwapBlockSpaceManager, KVConnectorModelRunner),
 ]
 
 
@@ -93,6 +99,12 @@ REFUSED = [  # configurations that break the table's rules, every rule by at lea
     dict(stage=12, kv_cache_dtype="fp8"),
     dict(calculate_kv_scales=True),
     dict(kv_cache_dtype="fp8", calculate_kv_scales=True, device="cuda", attention_backend="triton"),
+    dict(stage=13, kv_transfer_config=CONNECTOR),
+    dict(scheduler="v0", kv_transfer_config=CONNECTOR),
+    dict(tensor_parallel_size=2, kv_transfer_config=CONNECTOR),
+    dict(speculative_config=NGRAM, kv_transfer_config=CONNECTOR),
+    dict(async_scheduling=True, kv_transfer_config=CONNECTOR),
+    dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_transfer_config=CONNECTOR),
 ]
 
 

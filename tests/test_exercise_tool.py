@@ -78,6 +78,7 @@ def test_a_stage_of_two_files_names_its_main_file_first():
                          "stage10_async_scheduling.py", "stage10_model_runner.py", "stage10_sched_output.py"]
     assert names[11] == ["stage11_tensor_parallel.py", "stage11_worker.py"]  # the driver imports its workers
     assert names[12] == ["stage12_speculative.py", "stage12_rejection_sampler.py"]  # the engine, its proposer
+    assert names[14] == ["stage14_disaggregated_prefill.py", "stage14_kv_connector.py"]  # the engine, its connector
     assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10, 11, 12))
     assert tutorial_for(10) == "tutorials/10_v1_scheduler.ipynb" and tutorial_for(7) == "tutorials/07_engine.ipynb"
     assert tutorial_for(12) == "tutorials/12_speculative.ipynb"
@@ -416,7 +417,7 @@ def test_mutants_run_every_file_that_holds_a_stages_tests(tmp_path):
                            "-p", "no:cacheprovider", "tests"], cwd=REPO_DIR, env=env, capture_output=True,
                           text=True, timeout=300)
     marked = {tuple(line.split()[1:]) for line in done.stdout.splitlines() if line.startswith("MARK ")}
-    assert {name for name, _ in marked} >= {f"stage{n}" for n in range(14)}
+    assert {name for name, _ in marked} >= {f"stage{n}" for n in range(15)}
     for name, path in marked:
         assert path in stage_test_files(REPO_DIR, int(name.removeprefix("stage"))), (name, path)
     assert stage_test_files(REPO_DIR, 1) == ["tests/test_stage1_block_allocator.py"]  # not stage 10's

@@ -161,7 +161,7 @@ def in_short(page: Path) -> tuple[str, list[str], int]:
 
 def test_every_stage_page_opens_its_interview_answer_with_a_short_one_in_both_languages():
     english = sorted(p for p in STAGES.glob("*.md") if not p.name.endswith(".zh.md"))
-    assert len(english) == 14
+    assert len(english) == 15
     for page in english:
         translated = page.with_name(page.name.replace(".md", ".zh.md"))
         for version, language in ((page, "en"), (translated, "zh")):
@@ -1017,3 +1017,110 @@ def test_stage13_opt13b_in_fp8():
 def test_stage13_how_far_a_score_and_a_weight_move():
     eps = 1 / 8 * 8 * 0.01  # scale * sum|q| * the keys' rounding bound
     check13(3, f"{eps:.2f}", f"{math.exp(2 * eps):.3f}")
+
+
+# --- stage 14: disaggregated prefill
+
+PAGE14 = STAGES / "14_disaggregated_prefill.md"
+
+
+def check14(index: int, *expected) -> None:
+    check_both(PAGE14, index, *expected)
+
+
+def test_stage14_page_ends_with_a_self_check_and_an_interview_answer():
+    for page, headings in ((PAGE14, ("## Self-check", "## Explain it in an interview")),
+                           (PAGE14.with_name("14_disaggregated_prefill.zh.md"),
+                            ("{#self-check}", "{#explain-it-in-an-interview}"))):
+        text = page.read_text(encoding="utf-8")
+        assert len(answers(page)) == len(answers(PAGE14)) == 5, page.name
+        assert text.index(headings[0]) < text.index(headings[1]), page.name
+        assert [bool(bold_spans(page, i)) for i in range(5)] == [True] * 4 + [False]  # the last in words
+
+
+def through_a_folder(folder, prompt, spoil=None):
+    """The proxy's two requests in process, blocks of 16: the prompt to a producer (one token), then, once
+    ``spoil`` has done what it does to the folder, the whole request to a consumer; the consumer's stats."""
+    from minipaged import LLM
+
+    sizes = dict(block_size=16, num_gpu_blocks=64, max_model_len=128)
+
+    def engine(role):
+        config = {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+        return LLM("tiny", kv_transfer_config=config, **sizes)
+    engine("kv_producer").generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                   use_tqdm=False)
+    if spoil is not None:
+        spoil(folder)
+    consumer = engine("kv_consumer")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = consumer.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == LLM("tiny", **sizes).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    return consumer.stats
+
+
+PROMPT37 = {"prompt_token_ids": list(range(100, 137))}
+
+
+def block_file(folder, index: int) -> Path:
+    from minipaged.stage14_kv_connector import block_path, prompt_block_hashes
+
+    return block_path(folder, prompt_block_hashes(PROMPT37["prompt_token_ids"], 16)[index])
+
+
+def test_stage14_a_37_token_prompt_through_the_proxy(tmp_path):
+    from minipaged.stage14_kv_connector import prompt_block_hashes
+
+    stats = through_a_folder(tmp_path, PROMPT37)
+    saved = len(prompt_block_hashes(PROMPT37["prompt_token_ids"], 16))
+    assert sorted(tmp_path.iterdir()) == sorted(block_file(tmp_path, i) for i in range(saved))
+    assert stats.kv_transfer.num_loaded_blocks == saved
+    check14(0, saved, stats.kv_transfer.num_external_tokens, stats.prefill_tokens)
+
+
+def test_stage14_what_a_qwen25_shaped_model_moves(tmp_path):
+    from minipaged.common.config import KVTransferConfig
+    from minipaged.models import ModelConfig
+    from minipaged.stage14_kv_connector import (
+        KVConnectorRole,
+        SharedStorageConnector,
+        prompt_block_hashes,
+        read_block,
+        write_block,
+    )
+
+    c = ModelConfig(**QWEN25_05B)
+    connector = SharedStorageConnector(KVTransferConfig(kv_role="kv_both"), KVConnectorRole.WORKER, 16)
+    connector.register_kv_caches(PagedKVCache(c.num_layers, 1, 16, c.num_kv_heads, c.head_dim, torch.bfloat16))
+    shape = connector.block_shape()
+    write_block(tmp_path / "block.safetensors", torch.zeros(shape, dtype=torch.bfloat16))
+    block = read_block(tmp_path / "block.safetensors", shape, torch.bfloat16)
+    per_file = block.numel() * block.element_size()
+    blocks = len(prompt_block_hashes(list(range(1000)), 16))
+    per_token = c.kv_bytes_per_token(torch.bfloat16)
+    assert per_file == 16 * per_token == c.num_layers * 2 * 16 * c.num_kv_heads * c.head_dim * 2
+    check14(1, blocks, f"{per_file:,}", f"{blocks * per_file:,}")
+    for page in (PAGE14, PAGE14.with_name("14_disaggregated_prefill.zh.md")):
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        assert f"24 × 2 × 2 × 64 × 2 = {per_token:,}" in text, page.name  # a token's bytes, in the text
+        interview = text[text.index("{#explain-it-in-an-interview}" if page.name.endswith(".zh.md")
+                                    else "## Explain it in an interview"):]
+        assert f"{per_token // 1024} KiB" in interview, page.name
+
+
+def test_stage14_a_missing_file_stops_the_connector_at_the_gap(tmp_path):
+    stats = through_a_folder(tmp_path, PROMPT37, lambda folder: block_file(folder, 1).unlink())
+    assert stats.kv_transfer.num_recomputed_tokens == stats.kv_transfer.num_failed_blocks == 0
+    check14(2, stats.kv_transfer.num_external_tokens, stats.prefill_tokens)
+
+
+def test_stage14_a_corrupt_file_is_recomputed(tmp_path):
+    def flip_a_byte_of_block_1(folder):
+        path = block_file(folder, 1)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF  # a byte of the K/V: the header still reads
+        path.write_bytes(bytes(data))
+
+    stats = through_a_folder(tmp_path, PROMPT37, flip_a_byte_of_block_1)
+    assert stats.kv_transfer.num_external_tokens == 32 and stats.kv_transfer.num_failed_blocks == 1
+    check14(3, stats.kv_transfer.num_recomputed_tokens, stats.prefill_tokens)

@@ -21,13 +21,15 @@ from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("v0", "v1")  # the paper's (stage 6), or vLLM V1's (stage 10)
-FIRST_STAGE, LAST_STAGE = 7, 13  # the ladder's engines: stage 7 serves text, stage 13 is the top
+FIRST_STAGE, LAST_STAGE = 7, 14  # the ladder's engines: stage 7 serves text, stage 14 is the top
 V1_MAX_NUM_BATCHED_TOKENS = 2048  # V1's token budget per step when none is given
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
 DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of K/V on a CPU, or when the device's memory is not profiled
 # vLLM's kv_cache_dtype: "auto" stores the model's dtype; "fp8" (or "fp8_e4m3") e4m3, one byte a value (stage 13)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CONNECTORS = ("SharedStorageConnector",)  # vLLM's names of the KV connectors built here (stage 14)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # saves blocks, loads them, or both
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 
 
@@ -57,6 +59,49 @@ class SpeculativeConfig:
         unknown = set(value) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's ``kv_transfer_config``: which KV connector moves blocks between engines, and this engine's
+    role (stage 14). ``kv_connector_extra_config`` takes ``shared_storage_path``, the folder of the
+    blocks (vLLM's default ``"local_storage"``)."""
+
+    kv_connector: str = "SharedStorageConnector"
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_choice("kv_transfer_config.kv_connector", self.kv_connector, KV_CONNECTORS)
+        check_choice("kv_transfer_config.kv_role", self.kv_role, KV_ROLES)
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict) or set(extra) - {"shared_storage_path"}:
+            raise ValueError(f"kv_connector_extra_config takes only shared_storage_path, got {extra!r}")
+        if not isinstance(extra.get("shared_storage_path", ""), str | os.PathLike):
+            raise ValueError(f"shared_storage_path must be a folder, got {extra['shared_storage_path']!r}")
+
+    @property
+    def shared_storage_path(self) -> str:
+        return os.fspath(self.kv_connector_extra_config.get("shared_storage_path", "local_storage"))
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, value: object) -> KVTransferConfig:
+        if isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a dict, got {value!r}")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}")
         return cls(**value)
 
 
@@ -93,6 +138,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None  # drafts and their verification (stage 12)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, stage 13)
     calculate_kv_scales: bool = False  # fp8: each layer's k_scale and v_scale from its first batch, else 1.0
+    kv_transfer_config: KVTransferConfig | dict | None = None  # a KV connector and this engine's role (stage 14)
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -115,6 +161,8 @@ class EngineConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative_config is not None:  # a dict, as vLLM takes it, checked into its dataclass
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.kv_transfer_config is not None:
+            object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
         if self.distributed_executor_backend is not None:
             check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         check_int("stage", self.stage, FIRST_STAGE)
@@ -211,6 +259,20 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.speculative_config is not None and c.stage < 12, "speculative_config needs stage >= 12"),
     (lambda c: c.fp8_kv_cache and c.stage < 13, "kv_cache_dtype='fp8' needs stage >= 13"),
     (lambda c: c.calculate_kv_scales and not c.fp8_kv_cache, "calculate_kv_scales needs kv_cache_dtype='fp8'"),
+    (lambda c: c.kv_transfer_config is not None and c.stage < 14, "kv_transfer_config needs stage >= 14"),
+    (lambda c: c.kv_transfer_config is not None and c.scheduler == "v0",
+     "a KV connector's tokens are counted computed by V1's scheduler: kv_transfer_config needs scheduler='v1'"),
+    (lambda c: c.kv_transfer_config is not None and c.tensor_parallel_size > 1,
+     "the connector reads and writes the driver's cache, and tensor-parallel workers hold it: "
+     "kv_transfer_config with tensor_parallel_size > 1"),
+    (lambda c: c.kv_transfer_config is not None and c.speculative_config is not None,
+     "the draft verifier's runner is not the connector's: kv_transfer_config with speculative_config"),
+    (lambda c: c.kv_transfer_config is not None and c.async_scheduling,
+     "a failed load sends its request back to be recomputed, and the next step is scheduled already: "
+     "kv_transfer_config with async_scheduling"),
+    (lambda c: c.kv_transfer_config is not None and c.calculate_kv_scales,
+     "each engine would calibrate its own scales and read the other's bytes with them: "
+     "kv_transfer_config with calculate_kv_scales"),
     (lambda c: c.scheduler == "v1" and c.preemption_mode == "swap",
      "V1 preempts by recompute only, as vLLM V1 does: preemption_mode='swap' needs scheduler='v0'"),
     (lambda c: c.scheduler == "v0" and c.async_scheduling,

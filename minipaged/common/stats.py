@@ -8,6 +8,8 @@
   and the KV slots that held a token against the slots held (stage 7's engine: ``stats``).
 * ``SpecDecodingStats`` — drafts proposed, draft tokens verified and the tokens kept (stage
   12's engine).
+* ``KVTransferStats`` — what a KV connector moved: tokens it supplied, blocks and bytes loaded and
+  saved, blocks that failed to load and the tokens computed again for them (stage 14).
 * ``Stats`` — these together, as ``LLM.stats`` gives them after ``generate``; the server's
   metrics, the live page and the benchmarks read the same objects.
 """
@@ -92,6 +94,23 @@ class SpecDecodingStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+@dataclass
+class KVTransferStats:
+    """A KV connector's counts (vLLM: ``KVConnectorStats``); its scheduler side counts tokens, its worker
+    side blocks and bytes, and ``+`` joins the two."""
+
+    num_external_tokens: int = 0  # prompt tokens counted computed because the connector supplies them
+    num_recomputed_tokens: int = 0  # of those, tokens computed after all, their blocks having failed to load
+    num_loaded_blocks: int = 0
+    num_loaded_bytes: int = 0
+    num_failed_blocks: int = 0  # blocks whose file was missing, short or corrupt when loaded
+    num_saved_blocks: int = 0
+    num_saved_bytes: int = 0
+
+    def __add__(self, other: KVTransferStats) -> KVTransferStats:
+        return KVTransferStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+
+
 @dataclass(frozen=True)
 class Stats:
     """What an ``LLM`` counted, read after ``generate``: its engine's, its scheduler's, with
@@ -101,6 +120,7 @@ class Stats:
     scheduler: SchedulerStats
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec_decoding: SpecDecodingStats | None = None
+    kv_transfer: KVTransferStats | None = None
 
     # the figures a learner reads most, by their short names
     steps = property(lambda self: self.engine.steps)
@@ -121,4 +141,6 @@ class Stats:
                 **{f"prefix_cache_{k}": v for k, v in asdict(self.prefix_cache).items()},
                 "prefix_cache_hit_rate": self.prefix_cache.hit_rate,
                 **({} if self.spec_decoding is None else
-                   {f"spec_decode_{k}": v for k, v in asdict(self.spec_decoding).items()})}
+                   {f"spec_decode_{k}": v for k, v in asdict(self.spec_decoding).items()}),
+                **({} if self.kv_transfer is None else
+                   {f"kv_transfer_{k}": v for k, v in asdict(self.kv_transfer).items()})}

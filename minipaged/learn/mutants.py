@@ -533,6 +533,42 @@ CATALOGUE: list[Mutant] = [
     m(13, "the scales folded the wrong way round", ("block_tables, seq_lens, scale * k_scale,",
                                                     "block_tables, seq_lens, scale * v_scale,"),
       ("    return out * v_scale\n", "    return out * k_scale\n")),
+    # stage 14: disaggregated prefill through a KV connector
+    m(14, "a block's name not chained on its parent's", (
+        "        digest = block_hash(digest, token_ids[start:start + block_size])",
+        "        digest = block_hash(ROOT, token_ids[start:start + block_size])")),
+    m(14, "a block named by the next block's tokens", (
+        "        digest = block_hash(digest, token_ids[start:start + block_size])",
+        "        digest = block_hash(digest, token_ids[start + block_size:start + 2 * block_size])")),
+    m(14, "the last token's block travels too", (
+        "range(0, (len(token_ids) - 1) // block_size * block_size, block_size)",
+        "range(0, len(token_ids) // block_size * block_size, block_size)")),
+    m(14, "the files counted past a missing one", (
+        "while first + n < len(hashes) and block_path(self.path, hashes[first + n]).exists():\n            n += 1",
+        "n = sum(block_path(self.path, h).exists() for h in hashes[first:])")),
+    m(14, "the connector asked from the prompt's start, past the local prefix", (
+        "n, _ = self.connector.get_num_new_matched_tokens(seq, local)",
+        "n, _ = self.connector.get_num_new_matched_tokens(seq, 0)")),
+    m(14, "a block saved before the step that computes its last token", (
+        "done = min(seq.num_computed_tokens // self.block_size, len(hashes))", "done = len(hashes)")),
+    m(14, "K loaded into the values", ("cache.value_cache[layer][index] = kv[:, layer, 1]",
+                                        "cache.value_cache[layer][index] = kv[:, layer, 0]")),
+    m(14, "blocks loaded into the wrong slots", ("zip(meta.block_ids, meta.block_hashes, strict=True)",
+                                                  "zip(meta.block_ids[::-1], meta.block_hashes, strict=True)")),
+    m(14, "a block that failed to load treated as loaded", ("                    self.failed.add(block_id)\n",
+                                                             "                    continue\n")),
+    m(14, "every saved file holds the step's first block", ("write_block(block_path(self.path, digest), kv[i])",
+                                                        "write_block(block_path(self.path, digest), kv[0])")),
+    m(14, "the saves written before the forward", (
+        "            connector.start_load_kv()\n            req_ids, logits = super().execute_model(out)\n"
+        "            connector.wait_for_save()\n",
+        "            connector.start_load_kv()\n            connector.wait_for_save()\n"
+        "            req_ids, logits = super().execute_model(out)\n")),
+    m(14, "a failed load's request keeps its logits", (
+        "seq_ids = {r.req_id for r in meta.requests if not r.is_store and failed & set(r.block_ids)}",
+        "seq_ids = set()")),
+    m(14, "the tokens lost to a failed load not counted", (
+        "        self.num_recomputed_tokens += manager.external.pop(seq.seq_id, 0)\n", "")),
 ]
 
 

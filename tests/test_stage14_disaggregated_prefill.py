@@ -1,0 +1,269 @@
+"""Stage 14: disaggregated prefill. A producer and a consumer over one folder of blocks generate what one
+engine generates, token for token; the consumer computes only each prompt's last block; a block that
+cannot be loaded is recomputed, with the same output, and counted."""
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
+
+from minipaged import LLM, SamplingParams
+from minipaged.models import load_config, resolve_model_path
+from minipaged.stage9_prefix_caching import ROOT, block_hash
+from minipaged.stage14_kv_connector import block_path, prompt_block_hashes, read_block
+
+pytestmark = pytest.mark.stage14
+
+BLOCK = 4
+SIZES = dict(num_gpu_blocks=256, max_model_len=256, block_size=BLOCK)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # what the proxy asks a producer
+
+
+def ids(tokens):
+    return {"prompt_token_ids": list(tokens)}
+
+
+def hundred_prompts():
+    """1 to 11 blocks of 4, full and partial last blocks, and prompts that share 1 to 3 prefixes."""
+    rng = random.Random(14)
+    prefixes = [[rng.randrange(1, 2048) for _ in range(n)] for n in (4, 8, 13)]
+    prompts = []
+    for i in range(100):
+        head = prefixes[i % 3] if i % 2 else []
+        prompts.append(ids(head + [rng.randrange(1, 2048) for _ in range(rng.randint(1, 44 - len(head)))]))
+    return prompts
+
+
+def role(folder, kv_role, **kwargs):
+    config = {"kv_role": kv_role, "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+    return LLM("tiny", kv_transfer_config=config, **{**SIZES, **kwargs})
+
+
+def tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def disaggregated(folder, prompts, producer_args=None, consumer_args=None, params=GREEDY):
+    """The proxy's two requests, in process: the prompt to the producer (1 token), then all of it to the consumer."""
+    tokens(role(folder, "kv_producer", **(producer_args or {})), prompts, PREFILL)
+    consumer = role(folder, "kv_consumer", **(consumer_args or {}))
+    return tokens(consumer, prompts, params), consumer
+
+
+def loadable_tokens(prompt):
+    return (len(prompt["prompt_token_ids"]) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def single_engine_100():
+    return tokens(LLM("tiny", **SIZES), hundred_prompts())
+
+
+def test_producer_and_consumer_equal_one_engine_on_100_prompts(tmp_path, single_engine_100):
+    got, consumer = disaggregated(tmp_path, hundred_prompts())
+    assert got == single_engine_100
+    assert consumer.stats.kv_transfer.num_loaded_blocks > 0
+
+
+def test_the_consumer_computes_only_each_prompts_last_block(tmp_path):
+    prompts = hundred_prompts()[:30]
+    _, consumer = disaggregated(tmp_path, prompts, consumer_args={"enable_prefix_caching": False})
+    stats = consumer.stats
+    loadable = sum(loadable_tokens(p) for p in prompts)
+    assert stats.kv_transfer.num_external_tokens == loadable
+    assert stats.prefill_tokens == sum(len(p["prompt_token_ids"]) for p in prompts) - loadable
+    assert stats.kv_transfer.num_recomputed_tokens == stats.kv_transfer.num_failed_blocks == 0
+
+
+def test_a_prompts_blocks_are_named_by_stage9s_chain_up_to_its_last_tokens_block():
+    for n in (1, 3, 4, 5, 8, 9, 13):
+        prompt = list(range(100, 100 + n))
+        chain, digest = [], ROOT
+        for start in range(0, (n - 1) // BLOCK * BLOCK, BLOCK):
+            digest = block_hash(digest, prompt[start:start + BLOCK])
+            chain.append(digest)
+        assert prompt_block_hashes(prompt, BLOCK) == chain
+        assert len(chain) == (n - 1) // BLOCK  # 8 tokens: 1 block (the second holds the last token)
+
+
+def test_a_block_shared_only_after_a_different_first_block_is_never_loaded(tmp_path):
+    tail = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    first, second = ids([5, 6, 7, 8] + tail), ids([9, 10, 11, 12] + tail)
+    tokens(role(tmp_path, "kv_producer"), [first], PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    assert tokens(consumer, [second]) == tokens(LLM("tiny", **SIZES), [second])
+    assert consumer.stats.kv_transfer.num_external_tokens == 0
+
+
+def test_the_consumer_takes_the_blocks_up_to_the_first_missing_file(tmp_path):
+    prompt = ids(range(200, 217))  # 4 loadable blocks
+    tokens(role(tmp_path, "kv_producer"), [prompt], PREFILL)
+    block_path(tmp_path, prompt_block_hashes(prompt["prompt_token_ids"], BLOCK)[2]).unlink()
+    consumer = role(tmp_path, "kv_consumer")
+    assert tokens(consumer, [prompt]) == tokens(LLM("tiny", **SIZES), [prompt])
+    assert consumer.stats.kv_transfer.num_external_tokens == 2 * BLOCK
+    assert consumer.stats.prefill_tokens == 17 - 2 * BLOCK
+
+
+def spoil(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "corrupt":
+        data[-3] ^= 0xFF  # a byte of the K/V: the header still reads
+        path.write_bytes(bytes(data))
+    elif how == "short":
+        path.write_bytes(bytes(data[:len(data) // 2]))
+    elif how == "empty":
+        path.write_bytes(b"")
+    else:  # another model's block: a sound file of another shape
+        from minipaged.stage14_kv_connector import write_block
+        write_block(path, torch.zeros(1, 2, BLOCK, 1, 1))
+
+
+@pytest.mark.parametrize("how", ["corrupt", "short", "empty", "other-shape"])
+def test_a_block_that_cannot_be_loaded_is_recomputed_with_the_same_output(tmp_path, how):
+    prompts = [ids(range(300, 318)), ids(range(400, 410))]
+    tokens(role(tmp_path, "kv_producer"), prompts, PREFILL)
+    spoil(block_path(tmp_path, prompt_block_hashes(prompts[0]["prompt_token_ids"], BLOCK)[1]), how)
+    consumer = role(tmp_path, "kv_consumer", enable_prefix_caching=False)
+    assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    stats = consumer.stats
+    assert stats.kv_transfer.num_failed_blocks == 1
+    assert stats.kv_transfer.num_recomputed_tokens == loadable_tokens(prompts[0])  # all it had been given
+    # the first attempt's last block, then the whole prompt again, and the other prompt's last block
+    assert stats.prefill_tokens == (18 - 16) + 18 + (10 - 8)
+    assert consumer.scheduler.block_manager.num_free_blocks == SIZES["num_gpu_blocks"]
+
+
+def test_a_damaged_file_is_replaced_whole_by_the_next_save_of_its_block(tmp_path):
+    prompt = ids(range(330, 343))
+    tokens(role(tmp_path, "kv_producer"), [prompt], PREFILL)
+    path = block_path(tmp_path, prompt_block_hashes(prompt["prompt_token_ids"], BLOCK)[0])
+    spoil(path, "corrupt")
+    tokens(role(tmp_path, "kv_producer"), [prompt], PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    assert tokens(consumer, [prompt]) == tokens(LLM("tiny", **SIZES), [prompt])
+    assert consumer.stats.kv_transfer.num_failed_blocks == 0
+    assert consumer.stats.kv_transfer.num_external_tokens == loadable_tokens(prompt)
+
+
+def test_a_file_gone_between_scheduling_and_loading_is_recomputed(tmp_path):
+    """The scheduler side saw the files; they are gone when the worker side loads: never read as K/V."""
+    prompts = [ids(range(500, 513)), ids(range(600, 607))]
+    tokens(role(tmp_path, "kv_producer"), prompts, PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    connector = consumer.scheduler.kv_cache_manager.connector
+    build = connector.build_connector_meta
+
+    def build_then_remove_the_store(out):
+        meta = build(out)
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        return meta
+    connector.build_connector_meta = build_then_remove_the_store
+    assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    assert consumer.stats.kv_transfer.num_recomputed_tokens == 12 + 4
+
+
+def test_the_store_removed_while_serving_leaves_both_engines_serving(tmp_path):
+    prompts = hundred_prompts()[:12]
+    expected = tokens(LLM("tiny", **SIZES), prompts)
+    producer, consumer = role(tmp_path, "kv_producer"), role(tmp_path, "kv_consumer")
+    tokens(producer, prompts[:6], PREFILL)
+    assert tokens(consumer, prompts[:6]) == expected[:6]
+    shutil.rmtree(tmp_path)
+    tokens(producer, prompts[6:], PREFILL)  # the folder comes back with the blocks saved from now on
+    assert tokens(consumer, prompts[6:]) == expected[6:]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".safetensors"] * len(list(tmp_path.iterdir()))
+
+
+def test_a_producer_saves_a_block_only_after_the_step_that_computes_it(tmp_path):
+    """Chunked prefill on the producer (3 tokens a step): a block is saved in the step that writes its last token."""
+    prompts = [ids(range(700, 723)), ids(range(800, 810))]
+    got, _ = disaggregated(tmp_path, prompts, producer_args={"max_num_batched_tokens": 3})
+    assert got == tokens(LLM("tiny", **SIZES), prompts)
+
+
+def test_the_bytes_moved_are_layers_x_2_x_tokens_x_kv_heads_x_head_dim_x_dtype_bytes(tmp_path):
+    prompts = [ids(range(900, 921))]
+    mc = load_config(resolve_model_path("tiny"))
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        folder = tmp_path / dtype
+        _, consumer = disaggregated(folder, prompts, {"dtype": dtype}, {"dtype": dtype}, PREFILL)
+        moved = mc.num_layers * 2 * loadable_tokens(prompts[0]) * mc.num_kv_heads * mc.head_dim * size
+        assert consumer.stats.kv_transfer.num_loaded_bytes == moved
+        block = read_block(next(folder.iterdir()), (mc.num_layers, 2, BLOCK, mc.num_kv_heads, mc.head_dim),
+                           consumer.cache.key_cache[0].dtype)
+        assert block is not None and block.numel() * block.element_size() == moved // 5
+
+
+def test_the_loaded_blocks_hold_the_producers_k_and_v(tmp_path):
+    prompt = ids(range(1000, 1013))
+    producer = role(tmp_path, "kv_producer")
+    tokens(producer, [prompt], PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    request = consumer.engine.add_request("r", prompt, GREEDY)
+    consumer.engine.step()
+    table = consumer.scheduler.block_manager.get_block_table(request.seqs[0].seq_id)
+    for i, digest in enumerate(prompt_block_hashes(prompt["prompt_token_ids"], BLOCK)):
+        kv = read_block(block_path(tmp_path, digest), (4, 2, BLOCK, 2, 32), torch.float32)
+        for layer in range(4):
+            assert torch.equal(consumer.cache.key_cache[layer][table[i]], kv[layer, 0])
+            assert torch.equal(consumer.cache.value_cache[layer][table[i]], kv[layer, 1])
+
+
+def test_kv_both_loads_what_is_stored_and_saves_what_it_computes(tmp_path):
+    prompts = hundred_prompts()[:10]
+    first = role(tmp_path, "kv_both")
+    assert tokens(first, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    assert first.stats.kv_transfer.num_saved_blocks > 0
+    second = role(tmp_path, "kv_both", enable_prefix_caching=False)
+    assert tokens(second, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    assert second.stats.kv_transfer.num_external_tokens == sum(loadable_tokens(p) for p in prompts)
+
+
+def test_a_request_asking_for_prompt_logprobs_loads_nothing(tmp_path):
+    prompt = ids(range(1100, 1114))
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    tokens(role(tmp_path, "kv_producer"), [prompt], PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    got = consumer.generate([prompt], params, use_tqdm=False)[0]
+    want = LLM("tiny", **SIZES).generate([prompt], params, use_tqdm=False)[0]
+    assert consumer.stats.kv_transfer.num_external_tokens == 0
+    assert [None if p is None else sorted(p) for p in got.prompt_logprobs] == \
+        [None if p is None else sorted(p) for p in want.prompt_logprobs]
+
+
+def test_a_consumer_under_memory_pressure_equals_one_engine(tmp_path):
+    prompts = hundred_prompts()[:16]
+    tight = {"num_gpu_blocks": 24, "max_model_len": 96}
+    got, consumer = disaggregated(tmp_path, prompts, consumer_args=tight)
+    assert got == tokens(LLM("tiny", **{**SIZES, **tight}), prompts)
+    assert consumer.stats.num_preemptions > 0
+
+
+def test_an_fp8_consumer_equals_one_fp8_engine(tmp_path):
+    prompts = hundred_prompts()[:10]
+    fp8 = {"kv_cache_dtype": "fp8"}
+    got, _ = disaggregated(tmp_path, prompts, fp8, fp8)
+    assert got == tokens(LLM("tiny", **SIZES, **fp8), prompts)
+
+
+def test_an_exception_inside_a_step_leaves_the_consumer_usable_with_every_block_back(tmp_path):
+    prompts = hundred_prompts()[:4]
+    tokens(role(tmp_path, "kv_producer"), prompts, PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    connector = consumer.engine.runner.connector
+    load = connector.start_load_kv
+
+    def interrupted():
+        raise KeyboardInterrupt
+    connector.start_load_kv = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        consumer.generate(prompts, GREEDY, use_tqdm=False)
+    assert consumer.scheduler.block_manager.num_free_blocks == SIZES["num_gpu_blocks"]
+    assert connector.metadata is None
+    connector.start_load_kv = load
+    assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
