@@ -79,7 +79,7 @@ def test_the_consumer_computes_only_each_prompts_last_block(tmp_path):
     assert stats.kv_transfer.num_recomputed_tokens == stats.kv_transfer.num_failed_blocks == 0
 
 
-def test_a_prompts_blocks_are_named_by_stage9s_chain_up_to_its_last_tokens_block():
+def test_a_prompts_blocks_are_named_by_the_prefix_caches_chain_up_to_its_last_tokens_block():
     for n in (1, 3, 4, 5, 8, 9, 13):
         prompt = list(range(100, 100 + n))
         chain, digest = [], ROOT
