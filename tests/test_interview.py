@@ -62,7 +62,7 @@ WORDS = {"en": {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 
          "zh": {1: "一", 2: "两", 3: "三", 4: "四", 5: "五", 6: "六", 7: "七", 8: "八"}}
 
 # Names whose digits are not numbers of the argument; link targets and heading ids too.
-NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|Llama-3-8B|Llama-3-70B|A100-40GB|b?float16|[Ff][Pp]8"
+NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|Llama-3-8B|Llama-3-70B|A100-40GB|b?float16|[Ff][Pp]8|Qwen2\.5-0\.5B"
                    r"|\bV[01]\b|[Ss]tages? \d+(?: (?:to|到) \d+)?|Figure \d+[ab]?|\bp99\b"
                    r"|30 seconds|2 minutes|30 秒版|2 分钟版")
 
@@ -218,6 +218,14 @@ def computed() -> dict[str, str]:
     (row,) = [r for r in result("speculative")["rows"] if (r["batch"], r["workload"], r["k"]) == (1, "repetitive", 4)]
     n |= {"drafts": "4", "tokens_per_forward": f"{row['tokens_per_forward']}", "speedup": f"{row['speedup']}",
           "spec_batch": "1"}
+
+    # Disaggregated prefill, as bench/disaggregated.py measured it.
+    disagg = result("disaggregated")
+    one, split = disagg["summary"]["one engine, 1 thread"], disagg["summary"]["producer + consumer"]
+    n |= {"disagg_decodes": f"{disagg['decodes']}", "disagg_burst": f"{disagg['burst']}",
+          "disagg_prompt": f"{disagg['prompt_len']}", "disagg_quiet": f"{one['itl_no_burst_ms']:,.0f}",
+          "disagg_one_p99": f"{one['itl_p99_ms']:,.0f}", "disagg_split_p99": f"{split['itl_p99_ms']:,.0f}",
+          "disagg_moved": f"{disagg['bytes_per_request']['measured']:,.0f}"}
     return n
 
 
@@ -382,6 +390,18 @@ FRAGMENTS: dict[str, dict[str, list[str]]] = {
         "zh": ["min(1, p/q)", "max(0, p − q)",
                "草稿长度 {drafts}，`bench/speculative.py` 测得每次前向 {tokens_per_forward} 个 token，"
                "batch {spec_batch} 时速度是 {speedup} 倍"],
+    },
+    "why-split-prefill-from-decode": {
+        "en": ["(vLLM's `KVConnectorBase_V1`)", "`bench/disaggregated.py`: {disagg_decodes} requests decode on a Qwen2.5-0.5B-shaped model when "
+               "{disagg_burst} prompts of {disagg_prompt} tokens arrive",
+               "their p99 inter-token latency is {disagg_one_p99} ms in one engine, against a {disagg_quiet} ms "
+               "decode step before the burst; with a producer and a consumer, {disagg_split_p99} ms",
+               "Each request moved {disagg_moved} bytes of K/V"],
+        "zh": ["（vLLM 的 `KVConnectorBase_V1`）", "`bench/disaggregated.py`：Qwen2.5-0.5B 形状的模型上 {disagg_decodes} 个请求正在 decode，这时来了 "
+               "{disagg_burst} 个 {disagg_prompt} token 的 prompt",
+               "单个引擎里它们的 p99 token 间隔是 {disagg_one_p99} ms，突发之前一步 decode 只要 {disagg_quiet} ms；"
+               "换成一个 producer 加一个 consumer，是 {disagg_split_p99} ms",
+               "每个请求搬了 {disagg_moved} 字节的 K/V"],
     },
     "in-one-sentence": {
         "en": ["2–4× the throughput of FasterTransformer and Orca in the paper",
