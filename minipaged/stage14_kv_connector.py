@@ -261,7 +261,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         ids = [b for r in stores for b in r.block_ids]
         self.store_hashes = [h for r in stores for h in r.block_hashes]
         self.store_ids = to_device(np.array(ids, np.int64), self.kv_caches.key_cache[0].device) if ids else None
-        self.failed = set()
+        self.failed, self.pending = set(), []  # nothing of a step that an exception cut short
 
     def start_load_kv(self) -> None:
         """Read each block to load, check it, copy it into its block of every layer; a block that cannot
@@ -301,8 +301,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
         """Bring the gathered blocks to the host, as ``(blocks, layers, 2, block_size, kv heads, head dim)``,
         and write each block's file (``write_block`` at ``block_path`` of its hash). A file already there is
         replaced whole (the same hash, the same K/V): a damaged file is repaired by the next save of its block."""
-        if not self.pending:
+        if self.store_ids is None:
             return
+        if not self.pending:  # no layer handed its blocks over (a decode step replayed from a CUDA graph)
+            cache = self.kv_caches
+            for layer in range(cache.num_layers):
+                self.save_kv_layer(layer, (cache.key_cache[layer], cache.value_cache[layer]), None)
         # BEGIN SOLUTION one (blocks, layers, 2, ...) tensor on the host; a file per block
         kv = torch.stack([torch.stack((k, v), 1) for _, k, v in self.pending], 1).cpu()
         for i, digest in enumerate(self.store_hashes):

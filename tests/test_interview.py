@@ -392,13 +392,15 @@ FRAGMENTS: dict[str, dict[str, list[str]]] = {
                "batch {spec_batch} 时速度是 {speedup} 倍"],
     },
     "why-split-prefill-from-decode": {
-        "en": ["(vLLM's `KVConnectorBase_V1`)", "`bench/disaggregated.py`: {disagg_decodes} requests decode on a Qwen2.5-0.5B-shaped model when "
+        "en": ["(vLLM's `KVConnectorBase_V1`)",
+               "`bench/disaggregated.py`: {disagg_decodes} requests decode on a Qwen2.5-0.5B-shaped model when "
                "{disagg_burst} prompts of {disagg_prompt} tokens arrive",
                "their p99 inter-token latency is {disagg_one_p99} ms in one engine, against a {disagg_quiet} ms "
                "decode step before the burst; with a producer and a consumer, {disagg_split_p99} ms",
                "Each request moved {disagg_moved} bytes of K/V"],
-        "zh": ["（vLLM 的 `KVConnectorBase_V1`）", "`bench/disaggregated.py`：Qwen2.5-0.5B 形状的模型上 {disagg_decodes} 个请求正在 decode，这时来了 "
-               "{disagg_burst} 个 {disagg_prompt} token 的 prompt",
+        "zh": ["（vLLM 的 `KVConnectorBase_V1`）",
+               "`bench/disaggregated.py`：Qwen2.5-0.5B 形状的模型上 {disagg_decodes} 个请求正在 decode，"
+               "这时来了 {disagg_burst} 个 {disagg_prompt} token 的 prompt",
                "单个引擎里它们的 p99 token 间隔是 {disagg_one_p99} ms，突发之前一步 decode 只要 {disagg_quiet} ms；"
                "换成一个 producer 加一个 consumer，是 {disagg_split_p99} ms",
                "每个请求搬了 {disagg_moved} 字节的 K/V"],

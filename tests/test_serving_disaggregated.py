@@ -106,6 +106,21 @@ def test_a_producer_dying_mid_request_fails_that_request_and_the_consumer_serves
     assert again.status_code == 502  # the proxy stays up and says why
 
 
+def test_the_proxy_refuses_a_body_that_is_no_object_and_says_when_the_producer_is_gone():
+    from fastapi.testclient import TestClient
+
+    from minipaged.serving.disagg_proxy import build_proxy_app, prefill_body
+
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with TestClient(build_proxy_app(gone, gone)) as client:
+        assert client.post("/v1/completions", content=b"not json").status_code == 400
+        assert client.post("/v1/completions", json=[1, 2]).status_code == 400
+        answer = client.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
+        assert answer.status_code == 502 and "error" in answer.json()
+    asked = prefill_body({"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {}, "min_tokens": 3})
+    assert asked == {"prompt": "x", "max_tokens": 1, "stream": False}
+
+
 def test_serve_takes_vllms_kv_transfer_config_and_runs_v1_with_a_connector(monkeypatch, tmp_path):
     class Built(Exception):
         pass

@@ -186,6 +186,39 @@ def test_a_producer_saves_a_block_only_after_the_step_that_computes_it(tmp_path)
     assert got == tokens(LLM("tiny", **SIZES), prompts)
 
 
+def test_a_producer_step_cut_short_leaves_nothing_half_saved(tmp_path):
+    """An interrupt after two layers handed their blocks over: the next step saves its own blocks only."""
+    first, second = ids(range(1200, 1209)), ids(range(1300, 1317))
+    producer = role(tmp_path, "kv_producer")
+    connector = producer.engine.runner.connector
+    save = connector.save_kv_layer
+
+    def save_then_interrupt(layer, kv_layer, attn_metadata):
+        save(layer, kv_layer, attn_metadata)
+        if layer == 1:
+            connector.save_kv_layer = save
+            raise KeyboardInterrupt
+    connector.save_kv_layer = save_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        tokens(producer, [first], PREFILL)
+    tokens(producer, [second], PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    assert tokens(consumer, [second]) == tokens(LLM("tiny", **SIZES), [second])
+    assert consumer.stats.kv_transfer.num_loaded_blocks == loadable_tokens(second) // BLOCK
+    assert consumer.stats.kv_transfer.num_failed_blocks == 0
+
+
+def test_blocks_no_layer_handed_over_are_gathered_after_the_forward(tmp_path):
+    """A decode step replayed from a CUDA graph runs no Python in its layers: the saves still happen."""
+    prompts = [ids(range(1400, 1413))]
+    producer = role(tmp_path, "kv_producer")
+    producer.engine.runner.backend = producer.engine.runner.backend.backend  # the layers call no connector
+    tokens(producer, prompts, PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    assert consumer.stats.kv_transfer.num_loaded_blocks == 3
+
+
 def test_the_bytes_moved_are_layers_x_2_x_tokens_x_kv_heads_x_head_dim_x_dtype_bytes(tmp_path):
     prompts = [ids(range(900, 921))]
     mc = load_config(resolve_model_path("tiny"))

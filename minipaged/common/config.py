@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,22 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 KV_CONNECTORS = ("SharedStorageConnector",)  # vLLM's names of the KV connectors built here (stage 14)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # saves blocks, loads them, or both
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+def config_from_dict(cls: type[ConfigT], name: str, value: object) -> ConfigT:
+    """A nested configuration given as a dict, as vLLM takes it (or already made): ``cls(**value)``;
+    ``ValueError`` for anything but a dict, or for a key ``cls`` does not have."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {value!r}")
+    unknown = set(value) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {sorted(unknown)}")
+    return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -52,14 +69,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: object) -> SpeculativeConfig:
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {value!r}")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
-        return cls(**value)
+        return config_from_dict(cls, "speculative_config", value)
 
 
 @dataclass(frozen=True)
@@ -95,14 +105,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, value: object) -> KVTransferConfig:
-        if isinstance(value, KVTransferConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict, got {value!r}")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}")
-        return cls(**value)
+        return config_from_dict(cls, "kv_transfer_config", value)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ def build_proxy_app(prefill_url: str, decode_url: str, timeout: float = 600.0) -
     app = FastAPI(title="minipaged disaggregated-prefill proxy", lifespan=lifespan)
 
     async def forward(request: Request, path: str) -> Response:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
