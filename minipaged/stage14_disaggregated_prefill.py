@@ -109,10 +109,12 @@ class KVConnectorScheduler(V1Scheduler):
         return super().abort(request_id)
 
     def forget(self, seq: Sequence) -> None:
+        """A request ends: the connector's state of it and this manager's go (``request_finished``)."""
         manager = self.kv_cache_manager
         block_ids = manager.manager.get_block_table(seq.seq_id) if seq.status is SequenceStatus.RUNNING else []
         manager.connector.request_finished(seq, block_ids)
         manager.external.pop(seq.seq_id, None)
+        manager.without_connector.discard(seq.seq_id)
 
     def recompute_after_load_error(self, request: Request) -> None:
         """Its blocks failed to load: out of ``running``, its blocks freed, ``num_computed_tokens`` 0, WAITING at

@@ -191,7 +191,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.to_load: list[ReqMeta] = []
         # worker side
         self.failed: set[int] = set()
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, keys, values) to write
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (keys, values) to write, in order
         self.store_ids: torch.Tensor | None = None
         self.store_hashes: list[bytes] = []
 
@@ -295,7 +295,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         """Gather this layer's blocks to save, on the device: no wait for the host inside the forward."""
         if self.store_ids is not None:
             keys, values = kv_layer
-            self.pending.append((layer, keys.index_select(0, self.store_ids), values.index_select(0, self.store_ids)))
+            self.pending.append((keys.index_select(0, self.store_ids), values.index_select(0, self.store_ids)))
 
     def wait_for_save(self) -> None:
         """Bring the gathered blocks to the host, as ``(blocks, layers, 2, block_size, kv heads, head dim)``,
@@ -308,7 +308,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
             for layer in range(cache.num_layers):
                 self.save_kv_layer(layer, (cache.key_cache[layer], cache.value_cache[layer]), None)
         # BEGIN SOLUTION one (blocks, layers, 2, ...) tensor on the host; a file per block
-        kv = torch.stack([torch.stack((k, v), 1) for _, k, v in self.pending], 1).cpu()
+        kv = torch.stack([torch.stack(kv_layer, 1) for kv_layer in self.pending], 1).cpu()
         for i, digest in enumerate(self.store_hashes):
             write_block(block_path(self.path, digest), kv[i])
         # END SOLUTION

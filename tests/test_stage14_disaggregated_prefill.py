@@ -136,6 +136,9 @@ def test_a_block_that_cannot_be_loaded_is_recomputed_with_the_same_output(tmp_pa
     # the first attempt's last block, then the whole prompt again, and the other prompt's last block
     assert stats.prefill_tokens == (18 - 16) + 18 + (10 - 8)
     assert consumer.scheduler.block_manager.num_free_blocks == SIZES["num_gpu_blocks"]
+    manager = consumer.scheduler.kv_cache_manager  # nothing of a finished request is kept
+    assert not (manager.external or manager.without_connector or manager.connector.hashes
+                or manager.connector.block_ids)
 
 
 def test_a_damaged_file_is_replaced_whole_by_the_next_save_of_its_block(tmp_path):
@@ -175,7 +178,10 @@ def test_the_store_removed_while_serving_leaves_both_engines_serving(tmp_path):
     assert tokens(consumer, prompts[:6]) == expected[:6]
     shutil.rmtree(tmp_path)
     tokens(producer, prompts[6:], PREFILL)  # the folder comes back with the blocks saved from now on
+    loaded = consumer.stats.kv_transfer.num_loaded_blocks
     assert tokens(consumer, prompts[6:]) == expected[6:]
+    assert consumer.stats.kv_transfer.num_loaded_blocks > loaded  # from the folder made again
+    assert any(tmp_path.iterdir())
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".safetensors"] * len(list(tmp_path.iterdir()))
 
 
@@ -267,6 +273,7 @@ def test_a_request_asking_for_prompt_logprobs_loads_nothing(tmp_path):
     assert consumer.stats.kv_transfer.num_external_tokens == 0
     assert [None if p is None else sorted(p) for p in got.prompt_logprobs] == \
         [None if p is None else sorted(p) for p in want.prompt_logprobs]
+    assert got.prompt_logprobs == want.prompt_logprobs  # the values too: every position computed here
 
 
 def test_a_consumer_under_memory_pressure_equals_one_engine(tmp_path):
