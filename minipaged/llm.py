@@ -30,7 +30,7 @@ import functools
 import itertools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,19 +59,16 @@ from minipaged.stage7_engine import LLMEngine
 from minipaged.stage7_model_runner import ModelRunner, backend_named, determine_available_kv_memory
 from minipaged.stage8_sharing import BeamSearchOutput, BeamSearchParams, SharingEngine
 from minipaged.stage9_prefix_caching import PrefixCachingAllocator, PrefixCachingBlockSpaceManager, PrefixCachingEngine
-from minipaged.stage10_async_scheduling import AsyncScheduler, AsyncV1Engine
+from minipaged.stage10_async_scheduling import AsyncScheduler
+from minipaged.stage10_engine_core import V1Engine
+from minipaged.stage10_kv_cache_manager import KVCacheManager
 from minipaged.stage10_model_runner import V1ModelRunner
-from minipaged.stage10_v1_scheduler import KVCacheManager, V1Engine, V1Scheduler
+from minipaged.stage10_v1_scheduler import V1Scheduler
 from minipaged.stage11_tensor_parallel import Executor, follow_rank_0_of, start_tensor_parallel
-from minipaged.stage12_rejection_sampler import NgramProposer
-from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
+from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
+from minipaged.stage12_speculative import SpecDecoder, SpecInputBatch
 from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache, check_fp8_supported, fp8_attention
-from minipaged.stage14_disaggregated_prefill import (
-    ConnectorKVCacheManager,
-    KVConnectorEngine,
-    KVConnectorModelRunner,
-    KVConnectorScheduler,
-)
+from minipaged.stage14_disaggregated_prefill import ConnectorKVCacheManager, KVConnectorAttention, KVConnectorWorker
 from minipaged.stage14_kv_connector import KVConnectorRole, create_connector
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -80,11 +77,7 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 def engine_class(c: EngineConfig) -> type[LLMEngine]:
     """The loop that steps the parts: stage 7's, with the ideas of the stages above it that ``c`` asks for."""
     if c.scheduler == "v1":
-        if c.kv_transfer_config is not None:
-            return KVConnectorEngine
-        if c.speculative_config is not None:
-            return SpecDecodeEngine
-        return AsyncV1Engine if c.async_scheduling else V1Engine
+        return V1Engine  # one loop: step, or step_with_batch_queue (async_scheduling)
     if c.stage >= 9 and c.enable_prefix_caching:
         return PrefixCachingEngine  # its requests that ask for prompt_logprobs read no cached block
     return SharingEngine if c.stage >= 8 else LLMEngine
@@ -126,18 +119,17 @@ class LLM:
         self.max_model_len = config.max_model_len
         self.executor: Executor | None = None
         self.attention: Any = backend_named(config.attention_backend)  # stage 4's or 5's; wrapped over an FP8 cache
+        eos_ids = load_eos_token_ids(path)
+        self.spec_decoder = self.build_spec_decoder(eos_ids)
         self.scheduler = self.build_scheduler(self.build_block_manager())
         self.model, self.cache = self.build_model_and_cache(path, profiled)
         self.tokenizer = load_tokenizer(path)
-        eos_ids = load_eos_token_ids(path)
+        v1 = {"spec_decoder": self.spec_decoder, "async_scheduling": config.async_scheduling} if (
+            config.scheduler == "v1") else {}
         self.engine = engine_class(config)(self.scheduler, self.build_runner(),  # type: ignore[arg-type]
                                            Sampler(eos_ids, config.logprobs_mode), tokenizer=self.tokenizer,
                                            eos_token_ids=eos_ids, vocab_size=self.model_config.vocab_size,
-                                           seed=config.seed, device=self.device)
-        spec = config.speculative_config
-        if isinstance(spec, SpeculativeConfig) and isinstance(self.engine, SpecDecodeEngine):
-            self.engine.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
-                                                 spec.prompt_lookup_min)
+                                           seed=config.seed, device=self.device, **v1)
         self._request_ids = itertools.count()
 
     # ---- the parts, each chosen by the configuration ----
@@ -150,21 +142,30 @@ class LLM:
             return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size, cpu)
         return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, cpu)
 
+    def build_spec_decoder(self, eos_ids: Collection[int]) -> SpecDecoder | None:
+        """Stage 12's drafts, one part that the engine, the scheduler and the runner hold; None without them."""
+        spec = self.config.speculative_config
+        if not isinstance(spec, SpeculativeConfig):
+            return None
+        return SpecDecoder(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min),
+                           RejectionSampler(eos_ids, self.config.logprobs_mode))
+
     def build_scheduler(self, block_manager: SwapBlockSpaceManager) -> Scheduler | V1Scheduler:
+        """V0's (the paper's), or V1's, which holds the parts configured: the connector's scheduler side
+        (its KV cache manager, which counts the connector's tokens), the drafts; async: ``AsyncScheduler``."""
         c = self.config
         if c.scheduler == "v0":
             return Scheduler(block_manager, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
                              max_num_batched_tokens=c.max_num_batched_tokens, preemption_mode=c.preemption_mode)
         assert c.max_num_batched_tokens is not None  # V1's default is set where the config is made
+        kv_cache_manager, connector = KVCacheManager(block_manager), None
         if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's scheduler side, by the blocks
-            connector = create_connector(c.kv_transfer_config, KVConnectorRole.SCHEDULER, c.block_size)
-            return KVConnectorScheduler(ConnectorKVCacheManager(block_manager, connector),
-                                        max_num_batched_tokens=c.max_num_batched_tokens,
-                                        max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
-        v1_class = (SpecDecodeScheduler if c.speculative_config is not None
-                    else AsyncScheduler if c.async_scheduling else V1Scheduler)
-        return v1_class(KVCacheManager(block_manager), max_num_batched_tokens=c.max_num_batched_tokens,
-                        max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
+            kv_cache_manager = connector = ConnectorKVCacheManager(
+                block_manager, create_connector(c.kv_transfer_config, KVConnectorRole.SCHEDULER, c.block_size))
+        scheduler_class = AsyncScheduler if c.async_scheduling else V1Scheduler
+        return scheduler_class(kv_cache_manager, max_num_batched_tokens=c.max_num_batched_tokens,
+                               max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, connector=connector,
+                               spec_decoder=self.spec_decoder)
 
     def build_model_and_cache(self, path: Path, loaded: CausalLM | None) -> tuple[Any, Any]:
         """The model the runner calls and the paged K/V of every layer: here, or (stage 11) in
@@ -187,15 +188,20 @@ class LLM:
         return model, cache
 
     def build_runner(self) -> ModelRunner | V1ModelRunner:
+        """V0's, or V1's, which holds the parts configured: a batch that holds drafts and the drafts' rows,
+        the connector's worker side (around the forward, and in every layer's attention)."""
         c, backend = self.config, self.attention
         if c.scheduler == "v0":
             return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
+        input_batch = kv_connector = None
+        if self.spec_decoder is not None:
+            input_batch = SpecInputBatch(c.max_num_seqs, c.max_model_len, -(-c.max_model_len // c.block_size))
         if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
             connector = create_connector(c.kv_transfer_config, KVConnectorRole.WORKER, c.block_size)
-            return KVConnectorModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len,
-                                          backend, connector)
-        runner_class = SpecDecodeModelRunner if c.speculative_config is not None else V1ModelRunner
-        return runner_class(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend)
+            kv_connector = KVConnectorWorker(connector, self.cache)
+            backend = KVConnectorAttention(backend, self.cache, connector)
+        return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend,
+                             input_batch=input_batch, spec_decoder=self.spec_decoder, kv_connector=kv_connector)
 
     def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
         """The bytes of K/V that ``gpu_memory_utilization`` leaves (``determine_available_kv_memory``),
@@ -261,15 +267,18 @@ class LLM:
         """What the engine, the scheduler, the prefix cache, the drafts and the KV connector counted since this
         ``LLM`` was made."""
         allocator = self.scheduler.block_manager.allocator
-        engine = self.engine
+        engine, runner = self.engine, self.engine.runner
+        kv_manager = getattr(self.scheduler, "kv_cache_manager", None)
+        kv_transfer = None
+        if isinstance(kv_manager, ConnectorKVCacheManager) and isinstance(runner, V1ModelRunner):
+            assert isinstance(runner.kv_connector, KVConnectorWorker)
+            kv_transfer = kv_manager.make_kv_transfer_stats() + runner.kv_connector.connector.make_stats()
         return Stats(engine=dataclasses.replace(engine.stats), scheduler=self.scheduler.make_stats(),
                      prefix_cache=(allocator.make_stats() if isinstance(allocator, PrefixCachingAllocator)
                                    else PrefixCacheStats()),
-                     spec_decoding=(dataclasses.replace(engine.spec_stats)
-                                    if isinstance(engine, SpecDecodeEngine) else None),
-                     kv_transfer=(self.scheduler.make_kv_transfer_stats() + engine.runner.connector.make_stats()
-                                  if isinstance(engine, KVConnectorEngine)
-                                  and isinstance(self.scheduler, KVConnectorScheduler) else None))
+                     spec_decoding=(dataclasses.replace(self.spec_decoder.spec_stats)
+                                    if self.spec_decoder is not None else None),
+                     kv_transfer=kv_transfer)
 
     # ---- workers ----
 

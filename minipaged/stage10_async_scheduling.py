@@ -30,17 +30,12 @@ pass still running finishes in the worker before any other starts, its result dr
 from __future__ import annotations
 
 from collections.abc import Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
-
-from minipaged.common.sampler import SamplerOutput
-from minipaged.common.sampling_params import RequestOutput
 from minipaged.common.sequence import Sequence, SequenceStatus
-from minipaged.stage7_engine import CUMULATIVE, Request
+from minipaged.stage7_engine import Request
 from minipaged.stage10_sched_output import SchedulerOutput
-from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler, prompt_logprob_requests, tokens_after
+from minipaged.stage10_v1_scheduler import V1Scheduler, tokens_after
 
 
 class AsyncScheduler(V1Scheduler):
@@ -93,84 +88,3 @@ class AsyncScheduler(V1Scheduler):
     def abort(self, request_id: Hashable) -> bool:
         self.admitted_len.pop(request_id, None)
         return super().abort(request_id)
-
-
-class InFlight(NamedTuple):
-    """The step running in the worker: what was scheduled, the prompt positions it computes for
-    ``prompt_logprobs``, and its result to come."""
-
-    out: SchedulerOutput
-    prompt_rows: list[tuple[Request, range]]
-    future: Future[tuple[list[Request], SamplerOutput, torch.Tensor]]
-
-
-class AsyncV1Engine(V1Engine):
-    """Stage 10's engine with one step in flight, over an ``AsyncScheduler``: ``LLM(..., async_scheduling=True)``."""
-
-    scheduler: AsyncScheduler
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-forward")  # one step at a time
-        self.in_flight: InFlight | None = None
-
-    def forward_and_sample(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput, torch.Tensor]:
-        """The worker's part of a step: the forward pass, then the sampler on the rows that sample;
-        the logits of the prompt positions asked for come back as they are."""
-        by_id = {r.request_id: r for r in out.scheduled}
-        req_ids, logits = self.runner.execute_model(out)
-        requests = [by_id[r] for r in req_ids]
-        n = len(requests)
-        sampled = self.sampler(logits[:n], [r.seqs[0] for r in requests], [r.params for r in requests])
-        return requests, sampled, logits[n:]
-
-    def launch(self, out: SchedulerOutput) -> None:
-        self.scheduler.add_sampled_tokens(out)
-        self.in_flight = InFlight(out, prompt_logprob_requests(out), self.worker.submit(self.forward_and_sample, out))
-
-    def step(self) -> list[RequestOutput]:
-        """Schedule the next step while this one runs; return this one's outputs."""
-        if self.in_flight is None:  # nothing running: schedule and launch a step first
-            first = self.scheduler.schedule()
-            if not first.total_num_scheduled_tokens:
-                if self.scheduler.has_unfinished():
-                    raise RuntimeError("the scheduler found nothing to run although requests remain")
-                return []
-            self.launch(first)
-        assert self.in_flight is not None
-        out, prompt_rows, future = self.in_flight
-        next_out: SchedulerOutput | None = None
-        try:
-            # BEGIN SOLUTION schedule N + 1 while N runs; wait for N; append its tokens; launch N + 1; then N's stops
-            next_out = self.scheduler.schedule()
-            requests, sampled, prompt_logits = future.result()
-            self.in_flight = None
-            self.record_prompt_logprobs(prompt_rows, prompt_logits)
-            alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]  # ended or aborted since: dropped
-            for i, r in alive:
-                self.record_token(r, r.seqs[0], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
-            if next_out.total_num_scheduled_tokens:
-                self.launch(next_out)
-            for i, r in alive:
-                self.check_stop(r, r.seqs[0], sampled.token_ids[i])
-            # END SOLUTION
-        except BaseException:  # an exception or Ctrl-C: drop both steps' requests, every block back
-            self.drop_steps(out, next_out)
-            raise
-        self.stats.record_step(*self.step_counts(out))
-        outputs = [self.output(r) for _, r in alive if r.params.output_kind is CUMULATIVE or r.is_finished()]
-        for o in outputs:
-            if o.finished:
-                del self.requests[o.request_id]
-        return outputs
-
-    def drop_steps(self, out: SchedulerOutput, next_out: SchedulerOutput | None) -> None:
-        """Abort the requests of the step in flight and of the next one. The rows those steps were to
-        drop are dropped at the step after, in case the runner never saw them (dropping twice is harmless)."""
-        self.in_flight = None  # a forward still running ends in the worker; nobody reads its result
-        steps = [out] if next_out is None else [out, next_out]
-        for step in steps:
-            self.scheduler.finished_req_ids[:0] = step.finished_req_ids + step.preempted_req_ids
-        for step in steps:
-            for request in self.requests_touched(step):
-                self.abort_request(request.request_id)

@@ -12,6 +12,8 @@ as vLLM V1's scheduler sends them to its model runner.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,6 +41,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # this step's guessed tokens by request (``SchedulerOutput.scheduled_spec_decode_tokens``): a batch
+        # that checks them writes them after the row's tokens (stage 12's); this one writes none
+        self.spec_token_ids: dict[Hashable, list[int]] = {}
 
     def add_request(self, new: NewRequestData) -> None:
         self.remove_request(new.req_id)  # resumed after a preemption: a fresh row
@@ -75,27 +80,67 @@ class InputBatch:
         self.req_ids.pop()
 
 
+class SpecTokenRows(Protocol):
+    """A part that checks guessed tokens (stage 12 gives one): the rows of logits it needs."""
+
+    def logits_indices(self, scheduler_output: SchedulerOutput, ends: np.ndarray) -> np.ndarray: ...
+
+
+class ConnectorWorkerPart(Protocol):
+    """A KV connector's worker side, as the runner calls it (stage 14 gives one): around the forward,
+    ``kv_connector_output`` loads what this step reads and saves what it writes, then names the
+    requests that read a block it failed to load."""
+
+    def kv_connector_output(self, scheduler_output: SchedulerOutput) -> AbstractContextManager[set[Hashable]]: ...
+
+
 class V1ModelRunner:
-    """Applies a step's differences to the persistent batch, gathers the flat inputs, runs the model."""
+    """Applies a step's differences to the persistent batch, gathers the flat inputs, runs the model.
+
+    Optional parts, each None unless configured: an ``input_batch`` of another kind, a spec decoder
+    (the rows that check guessed tokens, after the others) and a KV connector's worker side
+    (around the forward pass; the rows of a request whose loads failed are dropped, its id kept in
+    ``failed_req_ids`` for the engine)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, block_size: int, max_num_reqs: int, max_model_len: int,
-                 backend: Callable[..., torch.Tensor]) -> None:
+                 backend: Callable[..., torch.Tensor], *, input_batch: InputBatch | None = None,
+                 spec_decoder: SpecTokenRows | None = None, kv_connector: ConnectorWorkerPart | None = None) -> None:
         self.model, self.cache, self.block_size, self.backend = model, cache, block_size, backend
         self.device = cache.key_cache[0].device
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        self.input_batch = input_batch or InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        self.spec_decoder, self.kv_connector = spec_decoder, kv_connector
+        self.failed_req_ids: list[Hashable] = []  # requests whose loads failed in the last step
 
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
+        """``forward`` between a KV connector's loads and saves, if one is configured; the rows of a
+        request whose blocks to load include one that failed are dropped: its logits read K/V that
+        are not there."""
+        if self.kv_connector is None:
+            self.failed_req_ids = []
+            return self.forward(out)
+        with self.kv_connector.kv_connector_output(out) as failed:
+            req_ids, logits = self.forward(out)
+        self.failed_req_ids = [r for r in out.num_scheduled_tokens if r in failed]
+        keep = [i for i, r in enumerate(req_ids) if r not in failed]
+        if len(keep) < len(req_ids):
+            rows = to_device(keep + list(range(len(req_ids), len(logits))), logits.device, torch.int64)
+            req_ids, logits = [req_ids[i] for i in keep], logits.index_select(0, rows)
+        return req_ids, logits
+
+    def forward(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
         """One forward pass: the ids of the requests that sample, and their ``(n, vocab)`` float32 logits.
 
         A request samples when its tokens are all computed after this step; a request whose
         prompt is not finished yet produces no logits. After those rows come the prompt
-        positions of the requests that ask for ``prompt_logprobs`` (``extra_logits_indices``).
+        positions of the requests that ask for ``prompt_logprobs``, then the rows a spec decoder
+        asks for (``extra_logits_indices``).
         """
         batch, size, num_reqs = self.input_batch, self.block_size, len(out.num_scheduled_tokens)
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             batch.remove_request(req_id)
         for new in out.scheduled_new_reqs:
             batch.add_request(new)
+        batch.spec_token_ids = out.scheduled_spec_decode_tokens
         for cached in out.scheduled_cached_reqs:
             batch.update_request(cached)
         rows = np.fromiter((batch.row_of[r] for r in out.num_scheduled_tokens), np.int64, num_reqs)  # (num_reqs,)
@@ -132,4 +177,7 @@ class V1ModelRunner:
                 first = int(ends[i]) - n  # the flat index of the request's first new token
                 positions = prompt_logprob_positions(start, n, len(request.seqs[0].prompt_token_ids))
                 indices += range(first, first + len(positions))
-        return np.array(indices, dtype=np.int64)
+        extra = np.array(indices, dtype=np.int64)
+        if self.spec_decoder is None:
+            return extra
+        return np.concatenate([extra, self.spec_decoder.logits_indices(out, ends)])

@@ -5,13 +5,15 @@ A request the runner has not seen comes whole (``NewRequestData``); one already 
 persistent batch comes as what changed since its last step (``CachedRequestData``): the token
 sampled last, the blocks added. The rows of finished and preempted requests are named, to be
 dropped. Read the fields here first: stage 10's scheduler fills them, its runner applies them.
+Two fields stay empty until the scheduler holds a part that fills them, as in vLLM's
+``SchedulerOutput``: ``scheduled_spec_decode_tokens`` and ``kv_connector_metadata``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine's requests, named in annotations only
     from minipaged.stage7_engine import Request
@@ -47,6 +49,11 @@ class SchedulerOutput:
     finished_req_ids: list[Hashable] = field(default_factory=list)  # since the last step
     scheduled: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Filled only by the optional parts the scheduler holds (vLLM's fields, empty without them):
+    # tokens guessed past each request's last, to be checked in this forward (a proposer's), and
+    # what a KV connector's worker side loads and saves this step.
+    scheduled_spec_decode_tokens: dict[Hashable, list[int]] = field(default_factory=dict)
+    kv_connector_metadata: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -35,19 +35,15 @@ same tokens and log-probabilities for any budget, from 1 token up.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 from minipaged.common.checks import check_int
-from minipaged.common.processor import Prompt
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
-from minipaged.common.sampling_params import SamplingParams
 from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.common.stats import SchedulerStats
-from minipaged.stage1_block_allocator import OutOfBlocksError
-from minipaged.stage6_swapping import SwapBlockSpaceManager
-from minipaged.stage7_engine import LLMEngine, Request
-from minipaged.stage9_prefix_caching import skip_cache_reads_for_prompt_logprobs
-from minipaged.stage10_model_runner import V1ModelRunner
+from minipaged.stage7_engine import Request
+from minipaged.stage10_kv_cache_manager import KVCacheManager
 from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
@@ -57,57 +53,30 @@ def tokens_after(seq: Sequence, start: int) -> list[int]:
     return seq.output_token_ids[start - prompt:] if start >= prompt else seq.token_ids[start:]
 
 
-class KVCacheManager:
-    """V1's name for the blocks of requests; here a block manager of stage 6 or 9 (prefix caching) does the work."""
+class SchedulerConnector(Protocol):
+    """The scheduler side of a KV connector, which the scheduler holds when one is configured (vLLM's
+    ``Scheduler.connector``; stage 14 gives one): told what each step loads and saves, which
+    requests end, and which ones read K/V it failed to load."""
 
-    def __init__(self, manager: SwapBlockSpaceManager) -> None:
-        self.manager = manager
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any: ...
+    def request_finished(self, request: Sequence, block_ids: list[int]) -> Any: ...
+    def recompute_after_load_error(self, request: Sequence) -> None: ...
 
-    def allocate_prompt(self, seq: Sequence) -> int | None:
-        """Blocks for all of a new (or recomputed) sequence's tokens, the cached prefix reused: the
-        number of tokens found computed (V1: ``get_computed_blocks``); None if too few blocks are free."""
-        # BEGIN SOLUTION the manager's allocate finds the cached prefix (stage 9); a refusal changes nothing
-        try:
-            return self.manager.allocate(seq.seq_id, seq.token_ids)
-        except OutOfBlocksError:
-            return None
-        # END SOLUTION
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
-        """Room for ``num_new_tokens`` more computed tokens: the new block ids (often none); None,
-        and nothing taken, if that needs more blocks than are free."""
-        manager, table = self.manager, self.manager.table(seq.seq_id)
-        missing = seq.num_computed_tokens + num_new_tokens - table.num_tokens  # slots to add
-        # BEGIN SOLUTION refuse when the blocks are short; else append the slots one by one
-        before = len(table.block_ids)
-        if manager.blocks_needed(table.num_tokens + missing) - before > manager.num_free_blocks:
-            return None
-        for _ in range(missing):
-            manager.append_slot(seq.seq_id)
-        return manager.get_block_table(seq.seq_id)[before:]
-        # END SOLUTION
+class SpecTokenScheduler(Protocol):
+    """A part that guesses tokens past a request's last, to be checked in the same forward (vLLM's
+    ``spec_token_ids``; stage 12 gives one): it says how many a decode takes this step, and which."""
 
-    def free(self, seq: Sequence) -> None:
-        self.manager.free(seq.seq_id)
-
-    def num_slots(self, seqs: Iterable[Sequence]) -> tuple[int, int]:
-        """(slots holding K/V, slots held), as stage 2's ``usage()`` counts them, without walking
-        every block: only a table's last block can be part full, and prefix caching shares full
-        blocks only, so the slack is a sum over sequences and the rest is the used blocks."""
-        manager, size = self.manager, self.manager.block_size
-        held = (manager.num_total_blocks - manager.num_free_blocks) * size
-        slack = 0
-        for seq in seqs:
-            table = manager.table(seq.seq_id)
-            slack += len(table.block_ids) * size - table.num_tokens
-        return held - slack, held
+    def num_new_tokens(self, scheduler: V1Scheduler, request: Request, n: int, budget: int) -> int: ...
+    def take_scheduled(self, scheduler_output: SchedulerOutput) -> dict[Hashable, list[int]]: ...
 
 
 class V1Scheduler:
     """Waiting and running requests under one token budget per step (``max_num_batched_tokens``)."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+                 max_num_seqs: int = 256, max_model_len: int = 2048, connector: SchedulerConnector | None = None,
+                 spec_decoder: SpecTokenScheduler | None = None) -> None:
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
         self.kv_cache_manager, self.block_manager = kv_cache_manager, kv_cache_manager.manager
@@ -120,6 +89,7 @@ class V1Scheduler:
         self.finished_req_ids: list[Hashable] = []  # for the runner, at the next step
         self.num_tokens_sent: dict[Hashable, int] = {}  # tokens of each request the runner holds
         self._stats = SchedulerStats(num_gpu_blocks=self.block_manager.num_total_blocks)
+        self.connector, self.spec_decoder = connector, spec_decoder  # optional parts (the module's docstring)
 
     def add(self, request: Request) -> None:
         """Queue a request of one sequence; ``ValueError`` for one that could never be served."""
@@ -149,6 +119,7 @@ class V1Scheduler:
     def finish(self, seq: Sequence) -> None:
         """A sequence is done: its blocks go back, and the runner drops its row next step."""
         request = self.request_of(seq)
+        self.tell_connector_finished(seq)
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         self.finished_req_ids.append(request.request_id)
@@ -163,6 +134,7 @@ class V1Scheduler:
                 if request.request_id == request_id:
                     queue.remove(request)
                     seq = request.seqs[0]
+                    self.tell_connector_finished(seq)
                     if seq.status is SequenceStatus.RUNNING:
                         self.kv_cache_manager.free(seq)
                     seq.status = SequenceStatus.FINISHED
@@ -170,6 +142,27 @@ class V1Scheduler:
                     self.num_tokens_sent.pop(request_id, None)
                     return True
         return False
+
+    def tell_connector_finished(self, seq: Sequence) -> None:
+        """A request ends (finished or aborted): its connector, if any, hears of it with the blocks it
+        still holds (vLLM's ``request_finished``), before they are freed."""
+        if self.connector is not None:
+            holds = seq.status is SequenceStatus.RUNNING
+            self.connector.request_finished(seq, self.block_manager.get_block_table(seq.seq_id) if holds else [])
+
+    def recompute_after_load_error(self, request: Request) -> None:
+        """A running request read K/V that a part could not load (a connector's): it goes back to the front
+        of ``waiting`` to be computed from its first token (vLLM's ``kv_load_failure_policy="recompute"``),
+        its blocks freed and its row dropped at the next step; its connector hears of it."""
+        seq = request.seqs[0]
+        self.running.remove(request)
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
+        self.waiting.insert(0, request)
+        self.finished_req_ids.append(request.request_id)
+        self.num_tokens_sent.pop(request.request_id, None)
+        if self.connector is not None:
+            self.connector.recompute_after_load_error(seq)
 
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute: free the blocks, forget the computed tokens, back to the front of ``waiting``."""
@@ -245,6 +238,10 @@ class V1Scheduler:
         for request in out.scheduled:
             request.seqs[0].num_computed_tokens += out.num_scheduled_tokens[request.request_id]
         # END SOLUTION
+        if self.spec_decoder is not None:  # the guessed tokens of the requests still scheduled
+            out.scheduled_spec_decode_tokens = self.spec_decoder.take_scheduled(out)
+        if self.connector is not None:  # what the connector's worker side loads and saves this step
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if not out.scheduled:  # no step runs: the runner hears of these rows at the next one that does
             self.finished_req_ids = out.finished_req_ids + out.preempted_req_ids + self.finished_req_ids
         used = self.block_manager.num_total_blocks - self.block_manager.num_free_blocks
@@ -252,7 +249,13 @@ class V1Scheduler:
         return out
 
     def num_new_tokens(self, request: Request, budget: int) -> int:
-        """The tokens a running request computes this step: those not computed yet, at most ``budget``."""
+        """The tokens a running request computes this step: ``num_tokens_to_compute``; with a spec
+        decoder, a decode also takes the guessed tokens it lets fit (``spec_decoder.num_new_tokens``)."""
+        n = self.num_tokens_to_compute(request, budget)
+        return n if self.spec_decoder is None else self.spec_decoder.num_new_tokens(self, request, n, budget)
+
+    def num_tokens_to_compute(self, request: Request, budget: int) -> int:
+        """The tokens of a running request not computed yet, at most ``budget``."""
         seq = request.seqs[0]
         # BEGIN SOLUTION what is not computed yet, cut to the budget
         return min(len(seq) - seq.num_computed_tokens, budget)
@@ -278,48 +281,3 @@ def prompt_logprob_requests(out: SchedulerOutput) -> list[tuple[Request, range]]
     return rows
 
 
-class V1Engine(LLMEngine):
-    """Stage 7's engine, stepping V1's scheduler and runner: schedule, execute, sample, update.
-
-    Stage 7's loop (``step``) over V1's parts: its scheduler and runner stand in for stage 6's
-    and stage 7's, and the hooks that read a step take V1's ``SchedulerOutput``. None of them is
-    a subtype of the part it replaces, so where they narrow stage 7's types the type checker is
-    told so (``type: ignore[assignment]`` and ``[override]``).
-    """
-
-    scheduler: V1Scheduler  # type: ignore[assignment]
-    runner: V1ModelRunner  # type: ignore[assignment]
-
-    def add_request(self, request_id: Hashable, prompt: Prompt, params: SamplingParams) -> Request:
-        if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
-        return super().add_request(request_id, prompt, params)
-
-    def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
-                     seed: int) -> Request:
-        request = super().make_request(request_id, text, ids, params, seed)
-        skip_cache_reads_for_prompt_logprobs(self.scheduler.block_manager, request.seqs, params)
-        return request
-
-    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
-        """Run the step; sample for the requests that finished their prompt: those, in order."""
-        prompt_rows = prompt_logprob_requests(out)
-        req_ids, logits = self.runner.execute_model(out)
-        self.record_prompt_logprobs(prompt_rows, logits[len(req_ids):])
-        requests = [self.requests[r] for r in req_ids]
-        seqs = [r.seqs[0] for r in requests]
-        sampled = self.sampler(logits[:len(req_ids)], seqs, [r.params for r in requests])
-        for i, request in enumerate(requests):
-            self.append_token(request, seqs[i], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
-        self.last_scheduler_output = out  # kept for pictures of the steps
-        return requests
-
-    def requests_touched(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
-        return out.scheduled + out.preempted
-
-    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:  # type: ignore[override]
-        """A decode is a request fed back the token it sampled; every other token is a prompt's."""
-        decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)
-        running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
-        token, held = self.scheduler.kv_cache_manager.num_slots(running)
-        return out.total_num_scheduled_tokens - decodes, decodes, token, held

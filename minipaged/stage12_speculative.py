@@ -27,69 +27,19 @@ A stop token, a stop string or ``max_tokens`` among the kept tokens ends the req
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import torch
 
-from minipaged.common.sampling_params import RequestOutput
 from minipaged.common.sequence import Sequence
 from minipaged.common.stats import SpecDecodingStats
-from minipaged.stage7_engine import Request
-from minipaged.stage10_model_runner import InputBatch, V1ModelRunner
+from minipaged.stage7_engine import LLMEngine, Request
+from minipaged.stage10_model_runner import InputBatch
 from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler, prompt_logprob_requests
+from minipaged.stage10_v1_scheduler import V1Scheduler
 from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
-
-
-@dataclasses.dataclass
-class SpecSchedulerOutput(SchedulerOutput):
-    """Stage 10's step, with the drafts scheduled for each request (vLLM's ``scheduled_spec_decode_tokens``)."""
-
-    scheduled_spec_decode_tokens: dict[Hashable, list[int]] = dataclasses.field(default_factory=dict)
-
-
-class SpecDecodeScheduler(V1Scheduler):
-    """V1's scheduler, a request with drafts scheduled as its last token and its drafts."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.spec_token_ids: dict[Hashable, list[int]] = {}  # the drafts proposed for the next step
-        self.scheduled_spec: dict[Hashable, list[int]] = {}
-
-    def fits(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Would ``allocate_slots(seq, num_new_tokens)`` find the blocks, with nobody preempted?"""
-        manager = self.block_manager
-        table = manager.table(seq.seq_id)
-        total = max(table.num_tokens, seq.num_computed_tokens + num_new_tokens)
-        return manager.blocks_needed(total) - len(table.block_ids) <= manager.num_free_blocks
-
-    def num_new_tokens(self, request: Request, budget: int) -> int:
-        """Stage 10's count; a decode with drafts adds as many of them as the budget, the request's
-        ``max_tokens`` and ``max_model_len``, and the free blocks leave room for."""
-        n = super().num_new_tokens(request, budget)
-        drafts = self.spec_token_ids.pop(request.request_id, [])
-        seq = request.seqs[0]
-        if n != 1 or not drafts:
-            return n
-        # BEGIN SOLUTION cut the drafts to the budget, max_tokens and max_model_len; none unless their slots fit
-        room = min(budget - 1, request.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - len(seq) - 1)
-        drafts = drafts[:max(0, room)]
-        if not drafts or not self.fits(seq, 1 + len(drafts)):
-            return 1
-        self.scheduled_spec[request.request_id] = drafts
-        return 1 + len(drafts)
-        # END SOLUTION
-
-    def schedule(self) -> SpecSchedulerOutput:
-        self.scheduled_spec = {}
-        out = super().schedule()
-        self.spec_token_ids = {}  # proposals are for one step
-        spec = {r: d for r, d in self.scheduled_spec.items() if r in out.num_scheduled_tokens}
-        return SpecSchedulerOutput(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)},
-                                   scheduled_spec_decode_tokens=spec)
 
 
 class SpecInputBatch(InputBatch):
@@ -98,7 +48,6 @@ class SpecInputBatch(InputBatch):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.num_drafts: dict[Hashable, int] = {}  # drafts at the end of each row, since the last step
-        self.drafts: dict[Hashable, list[int]] = {}  # this step's, written after the row's update
 
     def add_request(self, new: NewRequestData) -> None:
         self.num_drafts.pop(new.req_id, None)
@@ -106,7 +55,8 @@ class SpecInputBatch(InputBatch):
 
     def update_request(self, cached: CachedRequestData) -> None:
         """Drop the row's drafts (the tokens the target kept arrive as new tokens), then append the
-        update, then this step's drafts. After a verification the row's last token is not computed."""
+        update, then this step's drafts (``spec_token_ids``). After a verification the row's last
+        token is not computed."""
         row = self.row_of[cached.req_id]
         # BEGIN SOLUTION roll back past the drafts; apply the update; computed = all but the last; add the drafts
         verified = self.num_drafts.pop(cached.req_id, None)
@@ -115,7 +65,7 @@ class SpecInputBatch(InputBatch):
         super().update_request(cached)
         if verified is not None:
             self.num_computed_tokens[row] = self.num_tokens[row] - 1
-        drafts = self.drafts.get(cached.req_id, [])
+        drafts = self.spec_token_ids.get(cached.req_id, [])
         t = self.num_tokens[row]
         self.token_ids[row, t:t + len(drafts)] = drafts
         self.num_tokens[row] += len(drafts)
@@ -128,95 +78,78 @@ class SpecInputBatch(InputBatch):
         super().remove_request(req_id)
 
 
-class SpecDecodeModelRunner(V1ModelRunner):
-    """Stage 10's runner; after its rows come the target's logits at the positions before each draft."""
+class SpecDecoder:
+    """Speculative decoding as one part, which V1's engine, scheduler and runner hold (stage 10's seams):
+    drafts proposed before a step, cut to what fits when it is scheduled, the rows that verify them
+    picked out of the forward pass, and the tokens the rejection sampler keeps appended after it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        batch = self.input_batch
-        self.input_batch = SpecInputBatch(*batch.token_ids.shape, batch.block_table.shape[1])
-        self.drafts: dict[Hashable, list[int]] = {}  # this step's, by request
-
-    def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
-        """Stage 10's ``(req_ids, logits)``, the step's drafts written after their rows' tokens; the
-        rows after stage 10's come from ``extra_logits_indices``, in the same forward pass."""
-        self.drafts = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
-        self.input_batch.drafts = self.drafts  # type: ignore[attr-defined]
-        return super().execute_model(out)
-
-    def extra_logits_indices(self, out: SchedulerOutput, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Stage 10's extra rows; then, for each request with ``d`` drafts (in the step's order), the
-        ``d`` rows of its last token and of every draft but the last (whose row is the request's own,
-        among the first ones)."""
-        spec = self.drafts
-        # BEGIN SOLUTION the flat index of the last token and of each draft but the last, request by request
-        rows = [int(end) - 1 - len(spec[r]) + j for r, end in zip(out.num_scheduled_tokens, ends, strict=True)
-                if r in spec for j in range(len(spec[r]))]
-        # END SOLUTION
-        return np.concatenate([super().extra_logits_indices(out, starts, ends), np.array(rows, dtype=np.int64)])
-
-
-class SpecDecodeEngine(V1Engine):
-    """Stage 10's engine with drafts: propose before each step, verify after it."""
-
-    scheduler: SpecDecodeScheduler  # type: ignore[assignment]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.proposer: NgramProposer | None = None  # None: no drafts; the LLM gives it one
-        self.rejection_sampler = RejectionSampler(self.sampler.eos_token_ids, self.sampler.logprobs_mode)
+    def __init__(self, proposer: NgramProposer, rejection_sampler: RejectionSampler) -> None:
+        self.proposer, self.rejection_sampler = proposer, rejection_sampler
+        self.spec_token_ids: dict[Hashable, list[int]] = {}  # the drafts proposed for the next step
+        self.scheduled: dict[Hashable, list[int]] = {}  # the drafts scheduled in this step, so far
         self.spec_stats = SpecDecodingStats()
 
-    def step(self) -> list[RequestOutput]:
-        self.propose()
-        return super().step()
-
-    def propose(self) -> None:
+    def propose(self, running: list[Request]) -> None:
         """Drafts for every running request whose tokens are all computed but its last."""
-        if self.proposer is None:
-            return
-        for request in self.scheduler.running:
+        for request in running:
             seq = request.seqs[0]
             if not request.is_finished() and seq.num_computed_tokens == len(seq) - 1:
                 drafts = self.proposer.propose(seq.token_ids)
                 if drafts:
-                    self.scheduler.spec_token_ids[request.request_id] = drafts
+                    self.spec_token_ids[request.request_id] = drafts
 
-    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
-        """Stage 10's step; a request with drafts gets the tokens the rejection sampler keeps."""
-        spec = out.scheduled_spec_decode_tokens if isinstance(out, SpecSchedulerOutput) else {}
-        prompt_rows = prompt_logprob_requests(out)
-        req_ids, logits = self.runner.execute_model(out)
-        n, m = len(req_ids), sum(len(p) for _, p in prompt_rows)
-        self.record_prompt_logprobs(prompt_rows, logits[n:n + m])
-        draft_rows, at = {}, n + m
-        for r in out.num_scheduled_tokens:
-            if r in spec:
-                draft_rows[r], at = logits[at:at + len(spec[r])], at + len(spec[r])
-        requests = [self.requests[r] for r in req_ids]
-        plain = [i for i, r in enumerate(req_ids) if r not in spec]
-        if plain:
-            seqs, params = [requests[i].seqs[0] for i in plain], [requests[i].params for i in plain]
-            sampled = self.sampler(logits[plain], seqs, params)
-            for k, i in enumerate(plain):
-                self.append_token(requests[i], seqs[k], sampled.token_ids[k], sampled.logprobs[k],
-                                  sampled.top_logprobs[k])
-        for i, request in enumerate(requests):
-            if request.request_id in spec:
-                rows = torch.cat([draft_rows[request.request_id], logits[i:i + 1]])  # (d + 1, vocab)
-                self.verify(request, spec[request.request_id], rows)
-        self.last_scheduler_output = out
-        return requests
+    @staticmethod
+    def fits(scheduler: V1Scheduler, seq: Sequence, num_new_tokens: int) -> bool:
+        """Would ``allocate_slots(seq, num_new_tokens)`` find the blocks, with nobody preempted?"""
+        manager = scheduler.block_manager
+        table = manager.table(seq.seq_id)
+        total = max(table.num_tokens, seq.num_computed_tokens + num_new_tokens)
+        return manager.blocks_needed(total) - len(table.block_ids) <= manager.num_free_blocks
 
-    def verify(self, request: Request, drafts: list[int], logits: torch.Tensor) -> None:
-        """Keep what the rejection sampler keeps, token by token (a stop ends it there); then roll
-        ``num_computed_tokens`` back to the tokens verified."""
+    def num_new_tokens(self, scheduler: V1Scheduler, request: Request, n: int, budget: int) -> int:
+        """The scheduler's count ``n``; a decode with drafts adds as many of them as the budget, the
+        request's ``max_tokens`` and ``max_model_len``, and the free blocks leave room for."""
+        drafts = self.spec_token_ids.pop(request.request_id, [])
+        seq = request.seqs[0]
+        if n != 1 or not drafts:
+            return n
+        # BEGIN SOLUTION cut the drafts to the budget, max_tokens and max_model_len; none unless their slots fit
+        room = min(budget - 1, request.max_tokens - len(seq.output_token_ids) - 1,
+                   scheduler.max_model_len - len(seq) - 1)
+        drafts = drafts[:max(0, room)]
+        if not drafts or not self.fits(scheduler, seq, 1 + len(drafts)):
+            return 1
+        self.scheduled[request.request_id] = drafts
+        return 1 + len(drafts)
+        # END SOLUTION
+
+    def take_scheduled(self, out: SchedulerOutput) -> dict[Hashable, list[int]]:
+        """The drafts of the requests the step kept (a preempted request's are dropped); proposals are
+        for one step."""
+        spec = {r: d for r, d in self.scheduled.items() if r in out.num_scheduled_tokens}
+        self.scheduled, self.spec_token_ids = {}, {}
+        return spec
+
+    def logits_indices(self, out: SchedulerOutput, ends: np.ndarray) -> np.ndarray:
+        """For each request with ``d`` drafts (in the step's order; ``ends``: one past each request's last
+        flat index), the ``d`` rows of its last token and of every draft but the last (whose row is the
+        request's own, among the first ones)."""
+        spec = out.scheduled_spec_decode_tokens
+        # BEGIN SOLUTION the flat index of the last token and of each draft but the last, request by request
+        rows = [int(end) - 1 - len(spec[r]) + j for r, end in zip(out.num_scheduled_tokens, ends, strict=True)
+                if r in spec for j in range(len(spec[r]))]
+        # END SOLUTION
+        return np.array(rows, dtype=np.int64)
+
+    def verify(self, engine: LLMEngine, request: Request, drafts: list[int], logits: torch.Tensor) -> None:
+        """Keep what the rejection sampler keeps (``logits``: the ``d + 1`` rows), token by token (a stop ends
+        it there; ``engine.append_token``); then roll ``num_computed_tokens`` back to the tokens verified."""
         seq = request.seqs[0]
         # BEGIN SOLUTION verify; append each kept token until one stops the request; roll back what was computed
         kept = self.rejection_sampler(logits, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
                                       request.params, drafts)
         for token, logprob, top in zip(kept.token_ids, kept.logprobs, kept.top_logprobs, strict=True):
-            self.append_token(request, seq, token, logprob, top)
+            engine.append_token(request, seq, token, logprob, top)
             if request.is_finished():
                 break
         else:

@@ -26,31 +26,32 @@ what a single engine generates, and the consumer computes no token of a transfer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 
 import torch
 
-from minipaged.common.sequence import Sequence, SequenceStatus
+from minipaged.common.sequence import Sequence
 from minipaged.common.stats import KVTransferStats
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage6_swapping import SwapBlockSpaceManager
-from minipaged.stage7_engine import Request
 from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
-from minipaged.stage10_model_runner import V1ModelRunner
+from minipaged.stage10_kv_cache_manager import KVCacheManager
 from minipaged.stage10_sched_output import SchedulerOutput
-from minipaged.stage10_v1_scheduler import KVCacheManager, V1Engine, V1Scheduler
 from minipaged.stage14_kv_connector import KVConnectorBase_V1, KVConnectorMetadata
 
 
 class ConnectorKVCacheManager(KVCacheManager):
-    """V1's ``KVCacheManager`` whose admitted requests also count the tokens a KV connector supplies."""
+    """V1's ``KVCacheManager`` whose admitted requests also count the tokens a KV connector supplies; also the
+    scheduler's ``connector`` (stage 10's seam): it builds each step's metadata, hears which requests end,
+    and which ones read a block that failed to load."""
 
     def __init__(self, manager: SwapBlockSpaceManager, connector: KVConnectorBase_V1) -> None:
         super().__init__(manager)
         self.connector = connector
         self.external: dict[Hashable, int] = {}  # tokens the connector supplied to each admitted sequence
         self.without_connector: set[Hashable] = set()  # sequences whose blocks failed to load once
+        self.num_recomputed_tokens = 0  # tokens the connector supplied whose blocks then failed to load
 
     def allocate_prompt(self, seq: Sequence) -> int | None:
         """The local prefix (stage 9), then the connector's blocks after it: the tokens found computed.
@@ -75,67 +76,27 @@ class ConnectorKVCacheManager(KVCacheManager):
         manager = self.manager
         return isinstance(manager, PrefixCachingBlockSpaceManager) and seq.seq_id in manager.uncached_reads
 
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.connector.build_connector_meta(scheduler_output)
 
-@dataclass
-class KVConnectorSchedulerOutput(SchedulerOutput):
-    """V1's step, and the connector's metadata for the worker side."""
-
-    kv_connector_metadata: KVConnectorMetadata | None = None
-
-
-class KVConnectorScheduler(V1Scheduler):
-    """V1's scheduler, with a KV connector's scheduler side (``kv_cache_manager.connector``)."""
-
-    kv_cache_manager: ConnectorKVCacheManager
-
-    def __init__(self, kv_cache_manager: ConnectorKVCacheManager, **budgets: int) -> None:
-        super().__init__(kv_cache_manager, **budgets)
-        self.num_recomputed_tokens = 0  # tokens the connector supplied whose blocks then failed to load
-
-    def schedule(self) -> KVConnectorSchedulerOutput:
-        out = super().schedule()
-        meta = self.kv_cache_manager.connector.build_connector_meta(out)
-        return KVConnectorSchedulerOutput(**{f.name: getattr(out, f.name) for f in fields(out)},
-                                          kv_connector_metadata=meta)
-
-    def finish(self, seq: Sequence) -> None:
-        self.forget(seq)
-        super().finish(seq)
-
-    def abort(self, request_id: Hashable) -> bool:
-        for request in (*self.waiting, *self.running):
-            if request.request_id == request_id:
-                self.forget(request.seqs[0])
-        return super().abort(request_id)
-
-    def forget(self, seq: Sequence) -> None:
+    def request_finished(self, request: Sequence, block_ids: list[int]) -> None:
         """A request ends: the connector's state of it and this manager's go (``request_finished``)."""
-        manager = self.kv_cache_manager
-        block_ids = manager.manager.get_block_table(seq.seq_id) if seq.status is SequenceStatus.RUNNING else []
-        manager.connector.request_finished(seq, block_ids)
-        manager.external.pop(seq.seq_id, None)
-        manager.without_connector.discard(seq.seq_id)
+        self.connector.request_finished(request, block_ids)
+        self.external.pop(request.seq_id, None)
+        self.without_connector.discard(request.seq_id)
 
-    def recompute_after_load_error(self, request: Request) -> None:
-        """Its blocks failed to load: out of ``running``, its blocks freed, ``num_computed_tokens`` 0, WAITING at
-        the front of ``waiting``, and in ``without_connector`` (computed again without it); the tokens the
-        connector had supplied (``external``) are added to ``num_recomputed_tokens``. The runner drops its
-        row at the next step."""
-        seq, manager = request.seqs[0], self.kv_cache_manager
-        # BEGIN SOLUTION back to waiting from 0, never asking the connector again; count the tokens lost
-        self.running.remove(request)
-        manager.free(seq)
-        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
-        self.waiting.insert(0, request)
-        manager.without_connector.add(seq.seq_id)
-        self.num_recomputed_tokens += manager.external.pop(seq.seq_id, 0)
+    def recompute_after_load_error(self, request: Sequence) -> None:
+        """The scheduler sent the request back to be computed from its first token (its blocks failed to
+        load): it is computed again without the connector (``without_connector``), and the tokens the
+        connector had supplied (``external``) are added to ``num_recomputed_tokens``."""
+        # BEGIN SOLUTION never ask the connector again for it; count the tokens lost
+        self.without_connector.add(request.seq_id)
+        self.num_recomputed_tokens += self.external.pop(request.seq_id, 0)
         # END SOLUTION
-        self.finished_req_ids.append(request.request_id)
-        self.num_tokens_sent.pop(request.request_id, None)
 
     def make_kv_transfer_stats(self) -> KVTransferStats:
         """The connector's scheduler-side counts, and the tokens computed again after failed loads."""
-        stats = self.kv_cache_manager.connector.make_stats()
+        stats = self.connector.make_stats()
         stats.num_recomputed_tokens += self.num_recomputed_tokens
         return stats
 
@@ -158,50 +119,31 @@ class KVConnectorAttention:
         return out
 
 
-class KVConnectorModelRunner(V1ModelRunner):
-    """V1's runner, with a KV connector's worker side: loads before the forward, saves after it."""
+class KVConnectorWorker:
+    """A KV connector's worker side as V1's runner holds it (vLLM's ``KVConnectorModelRunnerMixin``):
+    around each forward pass, loads before it and saves after it."""
 
-    def __init__(self, model, cache: PagedKVCache, block_size: int, max_num_reqs: int, max_model_len: int,
-                 backend: Callable[..., torch.Tensor], connector: KVConnectorBase_V1) -> None:
+    def __init__(self, connector: KVConnectorBase_V1, cache: PagedKVCache) -> None:
         connector.register_kv_caches(cache)
-        super().__init__(model, cache, block_size, max_num_reqs, max_model_len,
-                         KVConnectorAttention(backend, cache, connector))
         self.connector = connector
-        self.failed_req_ids: list[Hashable] = []  # requests whose loads failed in the last step
 
-    def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
-        """Stage 10's step between the connector's loads and saves: ``start_load_kv``, the step,
-        ``wait_for_save``. The rows of a request whose blocks to load include one that failed
-        (``get_block_ids_with_load_errors``) are dropped: its logits read K/V that are not there."""
-        assert isinstance(out, KVConnectorSchedulerOutput) and out.kv_connector_metadata is not None
+    @contextmanager
+    def kv_connector_output(self, out: SchedulerOutput) -> Iterator[set[Hashable]]:
+        """Bind the step's metadata, ``start_load_kv``, run the forward pass (the ``with`` block),
+        ``wait_for_save``; the set it gives holds, once the block ends, the ids of the requests whose
+        blocks to load include one that failed (``get_block_ids_with_load_errors``)."""
         connector, meta = self.connector, out.kv_connector_metadata
+        assert isinstance(meta, KVConnectorMetadata)
+        failed_req_ids: set[Hashable] = set()
         connector.bind_connector_metadata(meta)
         try:
             # BEGIN SOLUTION load, run the step, save; then find the requests that read a block that failed
             connector.start_load_kv()
-            req_ids, logits = super().execute_model(out)
+            yield failed_req_ids
             connector.wait_for_save()
             failed = connector.get_block_ids_with_load_errors()
             seq_ids = {r.req_id for r in meta.requests if not r.is_store and failed & set(r.block_ids)}
             # END SOLUTION
         finally:
             connector.clear_connector_metadata()
-        self.failed_req_ids = [r.request_id for r in out.scheduled if r.seqs[0].seq_id in seq_ids]
-        keep = [i for i, r in enumerate(req_ids) if r not in self.failed_req_ids]
-        if len(keep) < len(req_ids):
-            rows = torch.tensor(keep + list(range(len(req_ids), len(logits))), dtype=torch.int64, device=logits.device)
-            req_ids, logits = [req_ids[i] for i in keep], logits.index_select(0, rows)
-        return req_ids, logits
-
-
-class KVConnectorEngine(V1Engine):
-    """V1's engine; a request whose blocks failed to load is sent back to be recomputed."""
-
-    scheduler: KVConnectorScheduler
-    runner: KVConnectorModelRunner  # type: ignore[assignment]
-
-    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
-        requests = super().execute_and_sample(out)
-        for req_id in self.runner.failed_req_ids:
-            self.scheduler.recompute_after_load_error(self.requests[req_id])
-        return requests
+        failed_req_ids.update(r.request_id for r in out.scheduled if r.seqs[0].seq_id in seq_ids)

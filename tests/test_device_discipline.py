@@ -384,7 +384,8 @@ def test_a_connectors_step_runs_on_cuda_up_to_the_saves_copy_to_the_host(tmp_pat
     the device; the first read of a value is the saves' copy to the host, after the forward."""
     from minipaged import stage5_triton_attention as s5
     from minipaged.stage6_swapping import SwapPagedKVCache
-    from minipaged.stage14_disaggregated_prefill import KVConnectorModelRunner
+    from minipaged.stage10_model_runner import V1ModelRunner
+    from minipaged.stage14_disaggregated_prefill import KVConnectorAttention, KVConnectorWorker
     from minipaged.stage14_kv_connector import KVConnectorRole, create_connector
 
     store = {"kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
@@ -401,8 +402,9 @@ def test_a_connectors_step_runs_on_cuda_up_to_the_saves_copy_to_the_host(tmp_pat
     monkeypatch.setattr(s5, "_prefill_kernel", launches.kernel("_prefill_kernel"))
     with fake_cuda():
         cache = SwapPagedKVCache(mc.num_layers, 32, 4, mc.num_kv_heads, mc.head_dim, device="cuda")
-        runner = KVConnectorModelRunner(FakeCudaModel(llm.model), cache, 4, 8, llm.max_model_len,
-                                        s5.paged_attention_triton, connector)
+        runner = V1ModelRunner(FakeCudaModel(llm.model), cache, 4, 8, llm.max_model_len,
+                               KVConnectorAttention(s5.paged_attention_triton, cache, connector),
+                               kv_connector=KVConnectorWorker(connector, cache))
         with pytest.raises((DataDependentOutputException, RuntimeError)) as error:  # a fake tensor has no bytes
             runner.execute_model(out)
     assert raised_at(error.value).startswith("checksum")  # the saves' bytes, hashed on the host

@@ -14,13 +14,14 @@ from minipaged.stage7_engine import LLMEngine
 from minipaged.stage7_model_runner import ModelRunner
 from minipaged.stage8_sharing import SharingEngine
 from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager, PrefixCachingEngine
-from minipaged.stage10_async_scheduling import AsyncScheduler, AsyncV1Engine
+from minipaged.stage10_async_scheduling import AsyncScheduler
+from minipaged.stage10_engine_core import V1Engine
 from minipaged.stage10_model_runner import V1ModelRunner
-from minipaged.stage10_v1_scheduler import V1Engine, V1Scheduler
+from minipaged.stage10_v1_scheduler import V1Scheduler
 from minipaged.stage11_tensor_parallel import RemoteKVCache, StepHidden, TensorParallelModel
 from minipaged.stage12_rejection_sampler import NgramProposer
-from minipaged.stage12_speculative import SpecDecodeEngine, SpecDecodeModelRunner, SpecDecodeScheduler
-from minipaged.stage14_disaggregated_prefill import KVConnectorEngine, KVConnectorModelRunner, KVConnectorScheduler
+from minipaged.stage12_speculative import SpecDecoder, SpecInputBatch
+from minipaged.stage14_disaggregated_prefill import ConnectorKVCacheManager, KVConnectorAttention, KVConnectorWorker
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 REPEATS = [5, 17, 90, 3, 42, 8, 25, 11, 7]
@@ -48,16 +49,18 @@ PARTS = [  # (config, engine, scheduler, block manager, runner): exactly these c
      ModelRunner),
     (dict(stage=10), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),
     (dict(stage=10, enable_prefix_caching=False), V1Engine, V1Scheduler, SwapBlockSpaceManager, V1ModelRunner),
-    (dict(stage=10, async_scheduling=True), AsyncV1Engine, AsyncScheduler, PrefixCachingBlockSpaceManager,
+    (dict(stage=10, async_scheduling=True), V1Engine, AsyncScheduler, PrefixCachingBlockSpaceManager,
      V1ModelRunner),
     (dict(scheduler="v0", preemption_mode="swap"), SharingEngine, Scheduler, SwapBlockSpaceManager, ModelRunner),
     (dict(), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),  # the top, without drafts
-    (dict(speculative_config=NGRAM), SpecDecodeEngine, SpecDecodeScheduler, PrefixCachingBlockSpaceManager,
-     SpecDecodeModelRunner),
-    (dict(kv_transfer_config=CONNECTOR), KVConnectorEngine, KVConnectorScheduler, PrefixCachingBlockSpaceManager,
-     KVConnectorModelRunner),
-    (dict(kv_transfer_config=CONNECTOR, enable_prefix_caching=False), KVConnectorEngine, KVConnectorScheduler,
-     SwapBlockSpaceManager, KVConnectorModelRunner),
+    (dict(speculative_config=NGRAM), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),
+    (dict(kv_transfer_config=CONNECTOR), V1Engine, V1Scheduler, PrefixCachingBlockSpaceManager, V1ModelRunner),
+    (dict(kv_transfer_config=CONNECTOR, enable_prefix_caching=False), V1Engine, V1Scheduler,
+     SwapBlockSpaceManager, V1ModelRunner),
+    (dict(kv_transfer_config=CONNECTOR, speculative_config=NGRAM, async_scheduling=False), V1Engine, V1Scheduler,
+     PrefixCachingBlockSpaceManager, V1ModelRunner),
+    (dict(kv_transfer_config=CONNECTOR, async_scheduling=True), V1Engine, AsyncScheduler,
+     PrefixCachingBlockSpaceManager, V1ModelRunner),
 ]
 
 
@@ -68,8 +71,20 @@ def test_each_configuration_builds_the_parts_it_names(kwargs, engine, scheduler,
     assert type(llm.engine) is engine and type(llm.scheduler) is scheduler
     assert type(llm.scheduler.block_manager) is block_manager and type(llm.engine.runner) is runner
     assert llm.engine.scheduler is llm.scheduler and llm.executor is None
-    proposer = getattr(llm.engine, "proposer", None)
-    assert isinstance(proposer, NgramProposer) == ("speculative_config" in kwargs)
+    spec = getattr(llm.engine, "spec_decoder", None)  # one part, held by the engine, the scheduler and the runner
+    assert isinstance(spec, SpecDecoder) == ("speculative_config" in kwargs)
+    if spec is not None:
+        assert isinstance(spec.proposer, NgramProposer)
+        assert llm.scheduler.spec_decoder is llm.engine.runner.spec_decoder is spec
+        assert isinstance(llm.engine.runner.input_batch, SpecInputBatch)
+    connector = getattr(llm.scheduler, "connector", None)  # its scheduler side, and its worker side in the runner
+    assert isinstance(connector, ConnectorKVCacheManager) == ("kv_transfer_config" in kwargs)
+    if connector is not None:
+        assert llm.scheduler.kv_cache_manager is connector
+        assert isinstance(llm.engine.runner.kv_connector, KVConnectorWorker)
+        assert isinstance(llm.engine.runner.backend, KVConnectorAttention)
+    if isinstance(llm.engine, V1Engine):
+        assert llm.engine.async_scheduling == kwargs.get("async_scheduling", False)
 
 
 @pytest.mark.common
@@ -95,15 +110,12 @@ REFUSED = [  # configurations that break the table's rules, every rule by at lea
     dict(scheduler="v0", async_scheduling=True),
     dict(scheduler="v0", speculative_config=NGRAM),
     dict(async_scheduling=True, speculative_config=NGRAM),
-    dict(async_scheduling=True, tensor_parallel_size=2),
     dict(stage=12, kv_cache_dtype="fp8"),
     dict(calculate_kv_scales=True),
     dict(kv_cache_dtype="fp8", calculate_kv_scales=True, device="cuda", attention_backend="triton"),
     dict(stage=13, kv_transfer_config=CONNECTOR),
     dict(scheduler="v0", kv_transfer_config=CONNECTOR),
     dict(tensor_parallel_size=2, kv_transfer_config=CONNECTOR),
-    dict(speculative_config=NGRAM, kv_transfer_config=CONNECTOR),
-    dict(async_scheduling=True, kv_transfer_config=CONNECTOR),
     dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_transfer_config=CONNECTOR),
 ]
 
@@ -196,6 +208,52 @@ def test_async_scheduling_with_prefix_caching_equals_synchronous_stepping_withou
     expected = run(LLM("tiny", stage=10, enable_prefix_caching=False, **SMALL))
     llm = LLM("tiny", stage=10, async_scheduling=True, **SMALL)
     assert run(llm) == expected and llm.stats.prefix_cache_hits > 0
+
+
+@pytest.mark.stage11
+@pytest.mark.rounding_free
+def test_async_scheduling_over_tensor_parallel_workers_equals_one_synchronous_process():
+    expected = run(LLM("tiny", stage=10, **SMALL))
+    with LLM("tiny", tensor_parallel_size=2, async_scheduling=True, max_num_batched_tokens=8, **SMALL) as llm:
+        assert llm.engine.async_scheduling and isinstance(llm.engine.runner.model, TensorParallelModel)
+        assert run(llm) == expected
+
+
+def connector_config(tmp_path, role):
+    return {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+
+
+@pytest.mark.stage14
+@pytest.mark.parametrize("part", ["drafts", "async scheduling"])
+def test_a_consumer_with_drafts_or_async_scheduling_equals_the_plain_engine(tmp_path, part):
+    """The connector's parts stack with the drafts' and with the batch queue: a producer's blocks loaded,
+    the same tokens as the plain engine, drafts kept or steps overlapped on the way."""
+    expected = run(LLM("tiny", stage=10, **SMALL))
+    run(LLM("tiny", kv_transfer_config=connector_config(tmp_path, "kv_producer"), **SMALL))
+    extra = dict(speculative_config=NGRAM) if part == "drafts" else dict(async_scheduling=True)
+    consumer = LLM("tiny", kv_transfer_config=connector_config(tmp_path, "kv_consumer"), **SMALL, **extra)
+    assert run(consumer) == expected
+    stats = consumer.stats
+    assert stats.kv_transfer.num_loaded_blocks > 0 and stats.kv_transfer.num_failed_blocks == 0
+    if part == "drafts":
+        assert stats.spec_decoding.num_accepted_tokens > 0
+
+
+@pytest.mark.stage14
+def test_async_scheduling_recomputes_a_block_that_failed_to_load_and_keeps_the_outputs(tmp_path):
+    """A stored block damaged: under the batch queue its request goes back and is computed again, the
+    same tokens as the plain engine; a chunked prompt's next step, scheduled before the failure was
+    known, samples nothing that is kept."""
+    expected = run(LLM("tiny", stage=10, **SMALL))
+    run(LLM("tiny", kv_transfer_config=connector_config(tmp_path, "kv_producer"), **SMALL))
+    for path in sorted(tmp_path.rglob("*.safetensors"))[::2]:
+        path.write_bytes(b"not a block")
+    consumer = LLM("tiny", kv_transfer_config=connector_config(tmp_path, "kv_consumer"), async_scheduling=True,
+                   max_num_batched_tokens=8, **SMALL)
+    assert run(consumer) == expected
+    stats = consumer.stats
+    assert stats.kv_transfer.num_failed_blocks > 0 and stats.kv_transfer.num_recomputed_tokens > 0
+    assert consumer.scheduler.block_manager.num_free_blocks == SMALL["num_gpu_blocks"]
 
 
 @pytest.mark.stage10

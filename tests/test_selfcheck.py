@@ -661,7 +661,8 @@ def check10(index: int, *expected) -> None:
 
 
 def v1_scheduler(budget: int, block_size: int = 4, num_blocks: int = 64):
-    from minipaged.stage10_v1_scheduler import KVCacheManager, V1Scheduler
+    from minipaged.stage10_kv_cache_manager import KVCacheManager
+    from minipaged.stage10_v1_scheduler import V1Scheduler
 
     manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(num_blocks), block_size)
     return V1Scheduler(KVCacheManager(manager), max_num_batched_tokens=budget,
@@ -916,7 +917,7 @@ def test_stage12_drafts_are_cut_to_the_budget_left():
     for name, prompt in (("A", [5, 6, 7]), ("B", [8, 9, 10])):  # both prompts fit the first step's budget
         engine.add_request(name, {"prompt_token_ids": prompt},
                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    engine.proposer = FourDrafts()
+    engine.spec_decoder.proposer = FourDrafts()
     engine.step()
     engine.step()
     out = engine.last_scheduler_output

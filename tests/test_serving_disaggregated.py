@@ -20,7 +20,7 @@ import minipaged.serving.server
 from minipaged import LLM, SamplingParams
 from minipaged.cli import main
 from minipaged.serving.launcher import free_port, start_server
-from minipaged.stage14_disaggregated_prefill import KVConnectorEngine
+from minipaged.stage14_disaggregated_prefill import ConnectorKVCacheManager
 
 pytestmark = pytest.mark.serving
 
@@ -133,7 +133,7 @@ def test_serve_takes_vllms_kv_transfer_config_and_runs_v1_with_a_connector(monke
         main(["serve", "--port", str(free_port()), "--threads", "1", "--kv-transfer-config",
               kv_config(tmp_path, "kv_consumer")])
     llm = built.value.args[0]
-    assert isinstance(llm.engine, KVConnectorEngine) and llm.config.scheduler == "v1"
+    assert isinstance(llm.scheduler.connector, ConnectorKVCacheManager) and llm.config.scheduler == "v1"
     assert llm.config.kv_transfer_config.kv_role == "kv_consumer"
     assert llm.config.kv_transfer_config.shared_storage_path == str(tmp_path)
 

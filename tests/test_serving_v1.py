@@ -13,8 +13,7 @@ from minipaged import LLM as _LLM
 from minipaged import SamplingParams
 from minipaged.cli import main
 from minipaged.serving.launcher import free_port
-from minipaged.stage10_async_scheduling import AsyncV1Engine
-from minipaged.stage10_v1_scheduler import V1Engine
+from minipaged.stage10_engine_core import V1Engine
 
 LLM = partial(_LLM, stage=10)  # the engine as of stage 10
 
@@ -84,7 +83,7 @@ def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
         main(["serve", "--port", str(free_port()), "--threads", "1", *argv])
     llm = built.value.args[0]
     assert isinstance(llm.engine, V1Engine) == v1
-    assert isinstance(llm.engine, AsyncV1Engine) == ("--async-scheduling" in argv)
+    assert getattr(llm.engine, "async_scheduling", False) == ("--async-scheduling" in argv)
 
 
 @pytest.mark.parametrize("spelling", ["vllm", "short"])

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from minipaged import LLM as _LLM
 from minipaged.stage7_engine import Request, SampledSequence, SamplingParams
 from minipaged.stage9_prefix_caching import PrefixCachingAllocator, PrefixCachingBlockSpaceManager
-from minipaged.stage10_v1_scheduler import KVCacheManager, V1Scheduler
+from minipaged.stage10_kv_cache_manager import KVCacheManager
+from minipaged.stage10_v1_scheduler import V1Scheduler
 
 LLM, Stage9LLM = partial(_LLM, stage=10), partial(_LLM, stage=9)  # the engines as of stages 10 and 9
 

@@ -282,7 +282,7 @@ def test_drafts_whose_slots_do_not_fit_are_dropped_and_preempt_no_one():
     engine.add_request("b", {"prompt_token_ids": [1000, 1001, 1002, 1003, 1004, 1005, 1006]}, params)  # 2 blocks
     engine.step()  # both prompts; each samples its first token
     assert llm.scheduler.block_manager.num_free_blocks == 0
-    engine.proposer = RepeatLast()  # drafts for every request, whatever it sampled
+    engine.spec_decoder.proposer = RepeatLast()  # drafts for every request, whatever it sampled
     engine.step()
     out = engine.last_scheduler_output
     assert out.num_scheduled_tokens == {"a": 1, "b": 1} and not out.scheduled_spec_decode_tokens
@@ -334,7 +334,7 @@ def test_an_exception_inside_a_verifying_step_leaves_the_engine_usable_with_ever
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     expected = run(llm, prompts(), params)
     calls = []
-    original = llm.engine.rejection_sampler.__class__.__call__
+    original = llm.engine.spec_decoder.rejection_sampler.__class__.__call__
 
     def failing(self, *args, **kwargs):
         calls.append(1)
@@ -342,7 +342,7 @@ def test_an_exception_inside_a_verifying_step_leaves_the_engine_usable_with_ever
             raise fault("boom")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(llm.engine.rejection_sampler), "__call__", failing)
+    monkeypatch.setattr(type(llm.engine.spec_decoder.rejection_sampler), "__call__", failing)
     with pytest.raises(fault):
         run(llm, prompts(), params)
     monkeypatch.undo()

@@ -196,7 +196,7 @@ def test_a_producer_step_cut_short_leaves_nothing_half_saved(tmp_path):
     """An interrupt after two layers handed their blocks over: the next step saves its own blocks only."""
     first, second = ids(range(1200, 1209)), ids(range(1300, 1317))
     producer = role(tmp_path, "kv_producer")
-    connector = producer.engine.runner.connector
+    connector = producer.engine.runner.kv_connector.connector
     save = connector.save_kv_layer
 
     def save_then_interrupt(layer, kv_layer, attn_metadata):
@@ -295,7 +295,7 @@ def test_an_exception_inside_a_step_leaves_the_consumer_usable_with_every_block_
     prompts = hundred_prompts()[:4]
     tokens(role(tmp_path, "kv_producer"), prompts, PREFILL)
     consumer = role(tmp_path, "kv_consumer")
-    connector = consumer.engine.runner.connector
+    connector = consumer.engine.runner.kv_connector.connector
     load = connector.start_load_kv
 
     def interrupted():

@@ -268,11 +268,6 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.kv_transfer_config is not None and c.tensor_parallel_size > 1,
      "the connector reads and writes the driver's cache, and tensor-parallel workers hold it: "
      "kv_transfer_config with tensor_parallel_size > 1"),
-    (lambda c: c.kv_transfer_config is not None and c.speculative_config is not None,
-     "the draft verifier's runner is not the connector's: kv_transfer_config with speculative_config"),
-    (lambda c: c.kv_transfer_config is not None and c.async_scheduling,
-     "a failed load sends its request back to be recomputed, and the next step is scheduled already: "
-     "kv_transfer_config with async_scheduling"),
     (lambda c: c.kv_transfer_config is not None and c.calculate_kv_scales,
      "each engine would calibrate its own scales and read the other's bytes with them: "
      "kv_transfer_config with calculate_kv_scales"),
@@ -283,10 +278,8 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.scheduler == "v0" and c.speculative_config is not None,
      "drafts are scheduled and verified by V1's scheduler and runner: speculative_config needs scheduler='v1'"),
     (lambda c: c.async_scheduling and c.speculative_config is not None,
-     "a step with drafts is scheduled after the last one is verified: async_scheduling with speculative_config"),
-    (lambda c: c.async_scheduling and c.tensor_parallel_size > 1,
-     "the executor carries one step at a time and the async worker would wait on it: "
-     "async_scheduling with tensor_parallel_size > 1"),
+     "vLLM serves async scheduling with EAGLE and MTP drafts only, not n-gram ones (vllm/config/vllm.py): "
+     "async_scheduling with speculative_config"),
     (lambda c: c.calculate_kv_scales and c.uses_cuda_graphs,
      "the graphs are captured before the first batch sets the scales: calculate_kv_scales needs enforce_eager=True"),
 ]

@@ -423,8 +423,9 @@ CATALOGUE: list[Mutant] = [
                                                                 "n = len(seq) - computed")),
     m(10, "the oldest running request is preempted", ("victim = self.running.pop()  # the newest",
                                                       "victim = self.running.pop(0)")),
-    m(10, "a preempted request goes to the back of waiting", ("self.waiting.insert(0, request)",
-                                                              "self.waiting.append(request)")),
+    m(10, "a preempted request goes to the back of waiting", (
+        "seq.status = SequenceStatus.WAITING\n        self.waiting.insert(0, request)",
+        "seq.status = SequenceStatus.WAITING\n        self.waiting.append(request)")),
     m(10, "a recomputed request forgets its generated tokens", (
         "return self.manager.allocate(seq.seq_id, seq.token_ids)",
         "return self.manager.allocate(seq.seq_id, seq.prompt_token_ids)")),
@@ -483,7 +484,7 @@ CATALOGUE: list[Mutant] = [
         "for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1, -1):",
         "for n in range(self.prompt_lookup_min, min(self.prompt_lookup_max, len(tokens) - 1) + 1):")),
     m(12, "drafts beyond the token budget", ("room = min(budget - 1,", "room = min(budget,")),
-    m(12, "drafts preempt for their slots", ("if not drafts or not self.fits(seq, 1 + len(drafts)):",
+    m(12, "drafts preempt for their slots", ("if not drafts or not self.fits(scheduler, seq, 1 + len(drafts)):",
                                              "if not drafts:")),
     m(12, "greedy keeps every draft", ("token = int(target.max(dim=-1).indices)  # as the Sampler takes it",
                                        "token = draft if draft is not None else int(target.max(dim=-1).indices)")),
@@ -560,15 +561,13 @@ CATALOGUE: list[Mutant] = [
     m(14, "every saved file holds the step's first block", ("write_block(block_path(self.path, digest), kv[i])",
                                                         "write_block(block_path(self.path, digest), kv[0])")),
     m(14, "the saves written before the forward", (
-        "            connector.start_load_kv()\n            req_ids, logits = super().execute_model(out)\n"
-        "            connector.wait_for_save()\n",
-        "            connector.start_load_kv()\n            connector.wait_for_save()\n"
-        "            req_ids, logits = super().execute_model(out)\n")),
+        "            connector.start_load_kv()\n            yield failed_req_ids\n            connector.wait_for_save()\n",
+        "            connector.start_load_kv()\n            connector.wait_for_save()\n            yield failed_req_ids\n")),
     m(14, "a failed load's request keeps its logits", (
         "seq_ids = {r.req_id for r in meta.requests if not r.is_store and failed & set(r.block_ids)}",
         "seq_ids = set()")),
     m(14, "the tokens lost to a failed load not counted", (
-        "        self.num_recomputed_tokens += manager.external.pop(seq.seq_id, 0)\n", "")),
+        "        self.num_recomputed_tokens += self.external.pop(request.seq_id, 0)\n", "")),
 ]
 
 

@@ -1,0 +1,242 @@
+"""Stage 10 — the engine core: one loop over V1's scheduler and runner, stepped in turn or through a batch queue.
+
+vLLM V1's ``EngineCore`` has one loop and two ways to step it, chosen by ``async_scheduling``:
+
+* ``step``: schedule, run the forward pass, sample, update the requests — one thing at a time.
+* ``step_with_batch_queue``: two steps in flight. Step ``N + 1`` is scheduled while ``N``'s
+  forward pass runs (the forward pass and the sampler run in a worker: a thread here, as torch
+  releases the GIL inside its kernels); ``N``'s tokens reach ``N + 1``'s inputs, ``N + 1`` is
+  launched, and only then are ``N``'s outputs processed (stop tokens, stop strings, finished
+  requests). The scheduler's side is ``AsyncScheduler`` (``stage10_async_scheduling``): it
+  schedules a placeholder for each token not sampled yet.
+
+The parts the scheduler and the runner hold when they are configured take part in the same
+loop: a spec decoder (stage 12 gives one) proposes tokens before a step and checks them after it;
+a request whose K/V a connector failed to load (stage 14) goes back to be computed again.
+
+An exception or Ctrl-C inside a step aborts every request it touched (both steps' with a batch
+queue, scheduled or preempted): every block goes back and the engine keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+from minipaged.common.device import to_device
+from minipaged.common.processor import Prompt
+from minipaged.common.sampler import SamplerOutput
+from minipaged.common.sampling_params import RequestOutput, SamplingParams
+from minipaged.common.sequence import SequenceStatus
+from minipaged.stage7_engine import CUMULATIVE, LLMEngine, Request
+from minipaged.stage9_prefix_caching import skip_cache_reads_for_prompt_logprobs
+from minipaged.stage10_v1_scheduler import prompt_logprob_requests
+
+if TYPE_CHECKING:
+    from minipaged.stage10_model_runner import V1ModelRunner
+    from minipaged.stage10_sched_output import SchedulerOutput
+    from minipaged.stage10_v1_scheduler import V1Scheduler
+
+
+class SpecTokenProposer(Protocol):
+    """A part that guesses tokens past a request's last before a step and checks them after it
+    (stage 12 gives one; the scheduler and the runner hold it too)."""
+
+    def propose(self, running: list[Request]) -> None: ...
+    def verify(self, engine: V1Engine, request: Request, spec_token_ids: list[int], logits: torch.Tensor) -> None: ...
+
+
+class StepResult(NamedTuple):
+    """What a step's forward pass and sampler give: the requests that sample (in order), the tokens of
+    those without guessed tokens (``plain``: their indices), every row of logits (the requests', then
+    the prompt positions asked for, then the rows that check guessed tokens), and the requests whose
+    K/V failed to load."""
+
+    requests: list[Request]
+    plain: list[int]
+    sampled: SamplerOutput
+    logits: torch.Tensor
+    failed_req_ids: list[Hashable]
+
+
+class InFlight(NamedTuple):
+    """A step launched and not yet processed: what was scheduled, the prompt positions it computes for
+    ``prompt_logprobs``, and its result to come."""
+
+    out: SchedulerOutput
+    prompt_rows: list[tuple[Request, range]]
+    future: Future[StepResult]
+
+
+class V1Engine(LLMEngine):
+    """Stage 7's engine over V1's parts: one loop, ``step`` or ``step_with_batch_queue``.
+
+    Its scheduler and runner stand in for stage 6's and stage 7's, and the hooks that read a step take
+    V1's ``SchedulerOutput``; none of them is a subtype of the part it replaces, so where they narrow
+    stage 7's types the type checker is told so (``type: ignore``).
+    """
+
+    scheduler: V1Scheduler  # type: ignore[assignment]
+    runner: V1ModelRunner  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, spec_decoder: SpecTokenProposer | None = None, async_scheduling: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec_decoder, self.async_scheduling = spec_decoder, async_scheduling
+        self.worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-forward")
+                       if async_scheduling else None)  # one step at a time
+        self.in_flight: InFlight | None = None
+        self.stale: set[Hashable] = set()  # sent back after the step in flight was scheduled: its tokens dropped
+        self.last_scheduler_output: SchedulerOutput | None = None  # kept for pictures of the steps
+
+    def add_request(self, request_id: Hashable, prompt: Prompt, params: SamplingParams) -> Request:
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
+        return super().add_request(request_id, prompt, params)
+
+    def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
+                     seed: int) -> Request:
+        request = super().make_request(request_id, text, ids, params, seed)
+        skip_cache_reads_for_prompt_logprobs(self.scheduler.block_manager, request.seqs, params)
+        return request
+
+    def step(self) -> list[RequestOutput]:
+        """One step of the loop, as ``async_scheduling`` chooses: ``step_with_batch_queue``, or stage 7's
+        (schedule, ``execute_and_sample``, outputs); a spec decoder proposes first."""
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
+        return self.step_with_batch_queue() if self.async_scheduling else super().step()
+
+    # ---- the parts of a step ----
+
+    def forward_and_sample(self, out: SchedulerOutput) -> StepResult:
+        """The forward pass, then the sampler on the rows that sample without guessed tokens."""
+        by_id = {r.request_id: r for r in out.scheduled}
+        req_ids, logits = self.runner.execute_model(out)
+        failed = list(self.runner.failed_req_ids)
+        requests = [by_id[r] for r in req_ids]
+        spec = out.scheduled_spec_decode_tokens
+        plain = [i for i, r in enumerate(req_ids) if r not in spec]
+        rows = logits[:len(requests)] if len(plain) == len(requests) else logits.index_select(
+            0, to_device(plain, logits.device, torch.int64))
+        sampled = self.sampler(rows, [requests[i].seqs[0] for i in plain], [requests[i].params for i in plain])
+        return StepResult(requests, plain, sampled, logits, failed)
+
+    def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
+        """Run the step; update the requests that sampled (those, in order)."""
+        prompt_rows = prompt_logprob_requests(out)
+        result = self.forward_and_sample(out)
+        self.process_step(out, prompt_rows, result)
+        self.last_scheduler_output = out
+        return result.requests
+
+    def process_step(self, out: SchedulerOutput, prompt_rows: list[tuple[Request, range]], result: StepResult) -> None:
+        """A step's prompt log-probabilities; its failed loads sent back; each sampled token appended (a stop
+        ends its request), or a request's guessed tokens checked by the spec decoder."""
+        requests, logits, spec = result.requests, result.logits, out.scheduled_spec_decode_tokens
+        n, m = len(requests), sum(len(p) for _, p in prompt_rows)
+        self.record_prompt_logprobs(prompt_rows, logits[n:n + m])
+        for req_id in result.failed_req_ids:
+            self.scheduler.recompute_after_load_error(self.requests[req_id])
+        spec_rows, at = {}, n + m  # the rows before each guessed token, request by request
+        for r in out.num_scheduled_tokens:
+            if r in spec:
+                spec_rows[r], at = logits[at:at + len(spec[r])], at + len(spec[r])
+        sampled = result.sampled
+        for k, i in enumerate(result.plain):
+            request = requests[i]
+            self.append_token(request, request.seqs[0], sampled.token_ids[k], sampled.logprobs[k],
+                              sampled.top_logprobs[k])
+        for i, request in enumerate(requests):
+            if request.request_id in spec and self.spec_decoder is not None:
+                rows = torch.cat([spec_rows[request.request_id], logits[i:i + 1]])  # (d + 1, vocab)
+                self.spec_decoder.verify(self, request, spec[request.request_id], rows)
+
+    # ---- the batch queue ----
+
+    def launch(self, out: SchedulerOutput) -> None:
+        assert self.worker is not None
+        self.scheduler.add_sampled_tokens(out)  # type: ignore[attr-defined]  # an AsyncScheduler's
+        self.in_flight = InFlight(out, prompt_logprob_requests(out), self.worker.submit(self.forward_and_sample, out))
+
+    def step_with_batch_queue(self) -> list[RequestOutput]:
+        """Schedule the next step while this one runs; return this one's outputs."""
+        if self.in_flight is None:  # nothing running: schedule and launch a step first
+            first = self.scheduler.schedule()
+            if not first.total_num_scheduled_tokens:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler found nothing to run although requests remain")
+                return []
+            self.launch(first)
+        assert self.in_flight is not None
+        out, prompt_rows, future = self.in_flight
+        next_out: SchedulerOutput | None = None
+        try:
+            # BEGIN SOLUTION schedule N + 1 while N runs; wait for N; append its tokens; launch N + 1; then N's stops
+            next_out = self.scheduler.schedule()
+            result = self.drop_failed_loads(future.result(), next_out)
+            self.in_flight = None
+            requests, sampled = result.requests, result.sampled
+            self.record_prompt_logprobs(prompt_rows, result.logits[len(requests):])
+            alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]  # ended or aborted since: dropped
+            for i, r in alive:
+                self.record_token(r, r.seqs[0], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+            if next_out.total_num_scheduled_tokens:
+                self.launch(next_out)
+            for i, r in alive:
+                self.check_stop(r, r.seqs[0], sampled.token_ids[i])
+            # END SOLUTION
+        except BaseException:  # an exception or Ctrl-C: drop both steps' requests, every block back
+            self.drop_steps(out, next_out)
+            raise
+        self.stats.record_step(*self.step_counts(out))
+        outputs = [self.output(r) for _, r in alive if r.params.output_kind is CUMULATIVE or r.is_finished()]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
+    def drop_failed_loads(self, result: StepResult, next_out: SchedulerOutput) -> StepResult:
+        """Requests whose K/V failed to load in the step just run go back to be computed again. The next
+        step, scheduled already, still computes them (their rows are dropped at the step after); what it
+        samples for them is dropped when it comes back (``stale``). The result without those requests."""
+        stale, self.stale = self.stale, set()
+        for req_id in result.failed_req_ids:
+            self.scheduler.recompute_after_load_error(self.requests[req_id])
+            if req_id in next_out.num_scheduled_tokens:
+                self.stale.add(req_id)
+        keep = [i for i, r in enumerate(result.requests) if r.request_id not in stale]
+        if len(keep) == len(result.requests):
+            return result
+        n, s = len(result.requests), result.sampled
+        rows = to_device(keep + list(range(n, len(result.logits))), result.logits.device, torch.int64)
+        return StepResult([result.requests[i] for i in keep], list(range(len(keep))),
+                          SamplerOutput([s.token_ids[i] for i in keep], [s.logprobs[i] for i in keep],
+                                        [s.top_logprobs[i] for i in keep]),
+                          result.logits.index_select(0, rows), [])
+
+    def drop_steps(self, out: SchedulerOutput, next_out: SchedulerOutput | None) -> None:
+        """Abort the requests of the step in flight and of the next one. The rows those steps were to
+        drop are dropped at the step after, in case the runner never saw them (dropping twice is harmless)."""
+        self.in_flight = None  # a forward still running ends in the worker; nobody reads its result
+        steps = [out] if next_out is None else [out, next_out]
+        for step in steps:
+            self.scheduler.finished_req_ids[:0] = step.finished_req_ids + step.preempted_req_ids
+        for step in steps:
+            for request in self.requests_touched(step):
+                self.abort_request(request.request_id)
+
+    # ---- what the loop reads of a step ----
+
+    def requests_touched(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
+        return out.scheduled + out.preempted
+
+    def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:  # type: ignore[override]
+        """A decode is a request fed back the token it sampled; every other token is a prompt's."""
+        decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)
+        running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
+        token, held = self.scheduler.kv_cache_manager.num_slots(running)
+        return out.total_num_scheduled_tokens - decodes, decodes, token, held
