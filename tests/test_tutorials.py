@@ -7,6 +7,7 @@ real text, with its real line numbers, and the solution lines are the ones it hi
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -41,6 +42,33 @@ def not_shown(paths: list[Path], notebook: Path) -> list[str]:
     shown = shown_names(notebook)
     return [name for path in paths for name in solution_functions(path.read_text(), str(path))
             if not shown & set(name.split("."))]
+
+
+def undisplayed_shows(notebook: Path) -> list[str]:
+    """The ``show(...)`` calls that Jupyter never displays: a statement of their own that is not the
+    cell's last (only a cell's last expression is displayed; ``display(show(...))`` is, anywhere)."""
+    missed = []
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(line if not line.lstrip().startswith(("%", "!")) else "pass\n" for line in cell["source"])
+        body = ast.parse(source).body  # the IPython magics read as statements
+        missed += [ast.unparse(statement) for statement in body[:-1] if isinstance(statement, ast.Expr)
+                   and isinstance(statement.value, ast.Call) and ast.unparse(statement.value.func) == "show"]
+    return missed
+
+
+@pytest.mark.parametrize("notebook", sorted((ROOT / "tutorials").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_every_show_in_a_notebook_is_displayed(notebook):
+    assert not undisplayed_shows(notebook)
+
+
+def test_the_display_check_catches_a_show_that_is_not_its_cells_last_expression(tmp_path):
+    cells = [{"cell_type": "code", "source": ["show(a)\n", "show(b)"]},
+             {"cell_type": "code", "source": ["display(show(c))\n", "x = 1"]}]
+    notebook = tmp_path / "n.ipynb"
+    notebook.write_text(json.dumps({"cells": cells}))
+    assert undisplayed_shows(notebook) == ["show(a)"]
 
 
 @pytest.mark.parametrize("stage", sorted(stage_files()))
