@@ -1,30 +1,28 @@
-"""Stage 10, async scheduling: the scheduler prepares step N + 1 while step N's forward pass runs.
+"""Stage 10, async scheduling: step N + 1 is scheduled and launched before step N's tokens are read.
 
 A synchronous engine does one thing at a time: schedule, run the model, sample, process the
-outputs, and only then schedule again. Everything but the forward pass keeps the model
-waiting. NanoFlow (Zhu et al., 2024) and vLLM V1's ``--async-scheduling`` overlap them: the
-forward pass (and the sampler after it) runs in a worker — a thread here: torch releases the
-GIL inside its kernels, and one torch thread leaves the second core free — while the engine
-schedules the next step and processes the last one's outputs. One step ``N`` is in flight:
+outputs, and only then schedule again. On a GPU, everything but the forward pass keeps the device
+waiting. NanoFlow (Zhu et al., 2024) and vLLM V1's ``--async-scheduling`` overlap them with a
+**batch queue** of two steps (``V1Engine.step_with_batch_queue``, ``stage10_engine_core``):
 
-1. **Schedule N + 1**, while N runs. A request that N samples is scheduled again with a
-   **placeholder** for the token not sampled yet (``AsyncScheduler.num_new_tokens``): its slot
-   and blocks are allocated, its id is unknown. Not scheduled yet: a request whose token is
-   its last (it ends, whatever the token), or its first since admission (stage 9 makes the
-   prompt's blocks findable at its first decode; step N must have written them first).
-2. **Wait for N**: its logits and sampled tokens.
-3. **Append the tokens** to their sequences, write them into N + 1's messages for the runner
-   (``add_sampled_tokens``), and **launch N + 1**.
-4. **Process N's outputs** while N + 1 runs: stop tokens, stop strings, finished requests.
+1. **Schedule N + 1** while N runs on the device. A request that N samples is scheduled again
+   with a **placeholder** for the token not sampled yet (``AsyncScheduler.num_new_tokens``): its
+   slot and blocks are allocated, its id unknown to the host. Not scheduled yet: a request whose
+   token is its last (it ends, whatever the token), its first since admission (stage 9 makes the
+   prompt's blocks findable at its first decode; step N must have written them first), or one
+   whose sampling reads its own tokens on the host (``min_tokens``, penalties).
+2. **Launch N + 1.** Its placeholders take N's sampled tokens on the device
+   (``V1ModelRunner.prepare_input_ids``, vLLM's ``prev_sampled_token_ids``): nothing waits for N.
+3. **Read N**: its tokens come to the host (the one wait for the device, for N's work alone),
+   and its outputs are processed while N + 1 runs: stop tokens, stop strings, finished requests.
 
-What it cannot know, it pays for: a request that stops at step N (an end token, a stop
-string) was scheduled in N + 1 too, and that computation is thrown away. The outputs are
-those of synchronous stepping, token for token (``tests/test_stage10_async_scheduling.py``): the same
+What it cannot know, it pays for: a request that stops at step N (an end token, a stop string)
+was scheduled in N + 1 too, and that computation is thrown away. The outputs are those of
+synchronous stepping, token for token (``tests/test_stage10_async_scheduling.py``): the same
 tokens are computed in the same order, each sequence draws with its own generator, and a
 request preempted while its step ran keeps the token that step sampled for it.
 
-An exception or Ctrl-C aborts the requests of both steps, scheduled or preempted; a forward
-pass still running finishes in the worker before any other starts, its result dropped.
+An exception or Ctrl-C aborts the requests of both steps, scheduled or preempted.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from typing import Any
 from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.stage7_engine import Request
 from minipaged.stage10_sched_output import SchedulerOutput
-from minipaged.stage10_v1_scheduler import V1Scheduler, tokens_after
+from minipaged.stage10_v1_scheduler import V1Scheduler
 
 
 class AsyncScheduler(V1Scheduler):
@@ -54,28 +52,28 @@ class AsyncScheduler(V1Scheduler):
 
     def num_new_tokens(self, request: Request, budget: int) -> int:
         """V1's count; a request whose tokens are all computed (the step in flight samples its next)
-        gets one placeholder for that token (its id reaches the runner before this step runs:
-        ``add_sampled_tokens``), unless it is the request's last (``max_tokens``, ``max_model_len``)
-        or its first since it was admitted: its first decode makes its prompt's blocks findable
-        (stage 9), and they must not be before the step in flight has surely written their K/V."""
+        gets one placeholder for that token (the runner takes its id on the device, from the step
+        before), unless it is the request's last (``max_tokens``, ``max_model_len``) or its first
+        since it was admitted: its first decode makes its prompt's blocks findable (stage 9), and
+        they must not be before the step in flight has surely written their K/V. A request whose
+        sampling reads its own tokens on the host (``min_tokens``, a penalty) gets none either: its
+        last token is not there before the step in flight is read."""
         seq = request.seqs[0]
         if seq.num_computed_tokens < len(seq):
             return super().num_new_tokens(request, budget)
+        if self.samples_from_its_tokens(request):
+            return 0
         # BEGIN SOLUTION one placeholder, except for the last token and the first since admission
         last = len(seq.output_token_ids) + 1 >= request.max_tokens or len(seq) + 1 >= self.max_model_len
         return 0 if last or len(seq) == self.admitted_len[request.request_id] else 1
         # END SOLUTION
 
-    def add_sampled_tokens(self, out: SchedulerOutput) -> None:
-        """The tokens sampled since ``out`` was scheduled, added to its messages for the runner
-        (``CachedRequestData.new_token_ids``) before it runs."""
-        requests = {r.request_id: r for r in out.scheduled}
-        for cached in out.scheduled_cached_reqs:
-            sent = self.num_tokens_sent.get(cached.req_id)
-            if sent is not None:  # not finished since
-                seq = requests[cached.req_id].seqs[0]
-                cached.new_token_ids += tokens_after(seq, sent)
-                self.num_tokens_sent[cached.req_id] = len(seq)
+    @staticmethod
+    def samples_from_its_tokens(request: Request) -> bool:
+        """Whether the sampler reads the request's output tokens: ``min_tokens`` or a penalty."""
+        params = request.params
+        return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
+                    or params.repetition_penalty != 1.0)
 
     def finish(self, seq: Sequence) -> None:
         """V1's; a sequence preempted while its last step ran finishes from ``waiting``, holding no block."""

@@ -21,14 +21,13 @@ queue, scheduled or preempted): every block goes back and the engine keeps worki
 from __future__ import annotations
 
 from collections.abc import Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
 from minipaged.common.device import to_device
 from minipaged.common.processor import Prompt
-from minipaged.common.sampler import SamplerOutput
+from minipaged.common.sampler import PendingSamplerOutput, SamplerOutput
 from minipaged.common.sampling_params import RequestOutput, SamplingParams
 from minipaged.common.sequence import SequenceStatus
 from minipaged.stage7_engine import CUMULATIVE, LLMEngine, Request
@@ -51,24 +50,24 @@ class SpecTokenProposer(Protocol):
 
 class StepResult(NamedTuple):
     """What a step's forward pass and sampler give: the requests that sample (in order), the tokens of
-    those without guessed tokens (``plain``: their indices), every row of logits (the requests', then
-    the prompt positions asked for, then the rows that check guessed tokens), and the requests whose
-    K/V failed to load."""
+    those without guessed tokens (``plain``: their indices), on their way to the host, every row of
+    logits (the requests', then the prompt positions asked for, then the rows that check guessed
+    tokens), and the requests whose K/V failed to load."""
 
     requests: list[Request]
     plain: list[int]
-    sampled: SamplerOutput
+    sampled: PendingSamplerOutput
     logits: torch.Tensor
     failed_req_ids: list[Hashable]
 
 
 class InFlight(NamedTuple):
     """A step launched and not yet processed: what was scheduled, the prompt positions it computes for
-    ``prompt_logprobs``, and its result to come."""
+    ``prompt_logprobs``, and what it gives."""
 
     out: SchedulerOutput
     prompt_rows: list[tuple[Request, range]]
-    future: Future[StepResult]
+    result: StepResult
 
 
 class V1Engine(LLMEngine):
@@ -86,8 +85,6 @@ class V1Engine(LLMEngine):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.spec_decoder, self.async_scheduling = spec_decoder, async_scheduling
-        self.worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-forward")
-                       if async_scheduling else None)  # one step at a time
         self.in_flight: InFlight | None = None
         self.stale: set[Hashable] = set()  # sent back after the step in flight was scheduled: its tokens dropped
         self.last_scheduler_output: SchedulerOutput | None = None  # kept for pictures of the steps
@@ -122,7 +119,9 @@ class V1Engine(LLMEngine):
         plain = [i for i, r in enumerate(req_ids) if r not in spec]
         rows = logits[:len(requests)] if len(plain) == len(requests) else logits.index_select(
             0, to_device(plain, logits.device, torch.int64))
-        sampled = self.sampler(rows, [requests[i].seqs[0] for i in plain], [requests[i].params for i in plain])
+        sampled = self.sampler.sample_async(rows, [requests[i].seqs[0] for i in plain],
+                                            [requests[i].params for i in plain])
+        self.runner.set_prev_sampled([req_ids[i] for i in plain], sampled.token_ids)  # a next step's placeholders
         return StepResult(requests, plain, sampled, logits, failed)
 
     def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
@@ -145,7 +144,7 @@ class V1Engine(LLMEngine):
         for r in out.num_scheduled_tokens:
             if r in spec:
                 spec_rows[r], at = logits[at:at + len(spec[r])], at + len(spec[r])
-        sampled = result.sampled
+        sampled = result.sampled.result()
         for k, i in enumerate(result.plain):
             request = requests[i]
             self.append_token(request, request.seqs[0], sampled.token_ids[k], sampled.logprobs[k],
@@ -158,13 +157,13 @@ class V1Engine(LLMEngine):
     # ---- the batch queue ----
 
     def launch(self, out: SchedulerOutput) -> None:
-        assert self.worker is not None
-        self.scheduler.add_sampled_tokens(out)  # type: ignore[attr-defined]  # an AsyncScheduler's
-        self.in_flight = InFlight(out, prompt_logprob_requests(out), self.worker.submit(self.forward_and_sample, out))
+        """Queue a step's forward pass and sampler (on a GPU the host goes on at once); it is in flight."""
+        self.in_flight = InFlight(out, prompt_logprob_requests(out), self.forward_and_sample(out))
 
     def step_with_batch_queue(self) -> list[RequestOutput]:
-        """Schedule the next step while this one runs; return this one's outputs."""
-        if self.in_flight is None:  # nothing running: schedule and launch a step first
+        """Two steps in flight: schedule and launch the next one before this one's tokens are read (they reach
+        the next step's inputs on the device); then this one's outputs."""
+        if self.in_flight is None:  # nothing in flight: schedule and launch a step first
             first = self.scheduler.schedule()
             if not first.total_num_scheduled_tokens:
                 if self.scheduler.has_unfinished():
@@ -172,22 +171,19 @@ class V1Engine(LLMEngine):
                 return []
             self.launch(first)
         assert self.in_flight is not None
-        out, prompt_rows, future = self.in_flight
+        out, prompt_rows, launched = self.in_flight
         next_out: SchedulerOutput | None = None
         try:
-            # BEGIN SOLUTION schedule N + 1 while N runs; wait for N; append its tokens; launch N + 1; then N's stops
+            # BEGIN SOLUTION schedule N + 1 and launch it before N's tokens are read; then N's outputs
             next_out = self.scheduler.schedule()
-            result = self.drop_failed_loads(future.result(), next_out)
             self.in_flight = None
-            requests, sampled = result.requests, result.sampled
-            self.record_prompt_logprobs(prompt_rows, result.logits[len(requests):])
-            alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]  # ended or aborted since: dropped
-            for i, r in alive:
-                self.record_token(r, r.seqs[0], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
             if next_out.total_num_scheduled_tokens:
                 self.launch(next_out)
+            requests, sampled, logits = self.read_step(launched, next_out)
+            self.record_prompt_logprobs(prompt_rows, logits[len(requests):])
+            alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]  # ended or aborted since: dropped
             for i, r in alive:
-                self.check_stop(r, r.seqs[0], sampled.token_ids[i])
+                self.append_token(r, r.seqs[0], sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
             # END SOLUTION
         except BaseException:  # an exception or Ctrl-C: drop both steps' requests, every block back
             self.drop_steps(out, next_out)
@@ -199,10 +195,13 @@ class V1Engine(LLMEngine):
                 del self.requests[o.request_id]
         return outputs
 
-    def drop_failed_loads(self, result: StepResult, next_out: SchedulerOutput) -> StepResult:
-        """Requests whose K/V failed to load in the step just run go back to be computed again. The next
-        step, scheduled already, still computes them (their rows are dropped at the step after); what it
-        samples for them is dropped when it comes back (``stale``). The result without those requests."""
+    def read_step(self, result: StepResult, next_out: SchedulerOutput
+                  ) -> tuple[list[Request], SamplerOutput, torch.Tensor]:
+        """A launched step's requests that sampled, their tokens on the host (the one wait for the device),
+        and its rows of logits. Requests whose K/V failed to load in it go back to be computed again; the
+        next step, launched already, still computes them (their rows are dropped at the step after), and
+        what it samples for them is dropped when it is read (``stale``)."""
+        sampled = result.sampled.result()
         stale, self.stale = self.stale, set()
         for req_id in result.failed_req_ids:
             self.scheduler.recompute_after_load_error(self.requests[req_id])
@@ -210,18 +209,18 @@ class V1Engine(LLMEngine):
                 self.stale.add(req_id)
         keep = [i for i, r in enumerate(result.requests) if r.request_id not in stale]
         if len(keep) == len(result.requests):
-            return result
-        n, s = len(result.requests), result.sampled
+            return result.requests, sampled, result.logits
+        n = len(result.requests)
         rows = to_device(keep + list(range(n, len(result.logits))), result.logits.device, torch.int64)
-        return StepResult([result.requests[i] for i in keep], list(range(len(keep))),
-                          SamplerOutput([s.token_ids[i] for i in keep], [s.logprobs[i] for i in keep],
-                                        [s.top_logprobs[i] for i in keep]),
-                          result.logits.index_select(0, rows), [])
+        return ([result.requests[i] for i in keep],
+                SamplerOutput([sampled.token_ids[i] for i in keep], [sampled.logprobs[i] for i in keep],
+                              [sampled.top_logprobs[i] for i in keep]),
+                result.logits.index_select(0, rows))
 
     def drop_steps(self, out: SchedulerOutput, next_out: SchedulerOutput | None) -> None:
         """Abort the requests of the step in flight and of the next one. The rows those steps were to
         drop are dropped at the step after, in case the runner never saw them (dropping twice is harmless)."""
-        self.in_flight = None  # a forward still running ends in the worker; nobody reads its result
+        self.in_flight = None  # nobody reads what a launched step gives
         steps = [out] if next_out is None else [out, next_out]
         for step in steps:
             self.scheduler.finished_req_ids[:0] = step.finished_req_ids + step.preempted_req_ids
@@ -235,8 +234,10 @@ class V1Engine(LLMEngine):
         return out.scheduled + out.preempted
 
     def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:  # type: ignore[override]
-        """A decode is a request fed back the token it sampled; every other token is a prompt's."""
-        decodes = sum(1 for c in out.scheduled_cached_reqs if c.new_token_ids)
+        """A decode is a request past its prompt (fed back the token it sampled, or its placeholder); every
+        other token is a prompt's."""
+        prompt_lens = {r.request_id: len(r.seqs[0].prompt_token_ids) for r in out.scheduled}
+        decodes = sum(1 for c in out.scheduled_cached_reqs if c.num_computed_tokens >= prompt_lens[c.req_id])
         running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
         token, held = self.scheduler.kv_cache_manager.num_slots(running)
         return out.total_num_scheduled_tokens - decodes, decodes, token, held

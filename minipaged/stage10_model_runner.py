@@ -110,6 +110,28 @@ class V1ModelRunner:
         self.input_batch = input_batch or InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
         self.spec_decoder, self.kv_connector = spec_decoder, kv_connector
         self.failed_req_ids: list[Hashable] = []  # requests whose loads failed in the last step
+        self.prev_sampled_token_ids: torch.Tensor | None = None  # the last step's tokens, on the device
+        self.prev_req_id_to_index: dict[Hashable, int] = {}
+
+    def set_prev_sampled(self, req_ids: list[Hashable], token_ids: torch.Tensor) -> None:
+        """The tokens a step sampled, ``(len(req_ids),)`` on the device, in order: the next step's
+        placeholders take theirs there (vLLM's ``prev_sampled_token_ids``)."""
+        self.prev_sampled_token_ids = token_ids
+        self.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+
+    def prepare_input_ids(self, token_ids: np.ndarray, owner: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """The step's input ids on the device: ``token_ids`` ``(num_tokens,)`` read from the batch (``owner``:
+        each token's row), except at a position past its row's known tokens: a placeholder (async
+        scheduling), whose token the request sampled in the step before, read there on the device."""
+        input_ids = to_device(token_ids, self.device)
+        batch = self.input_batch
+        holes = np.flatnonzero(positions >= batch.num_tokens[owner])
+        if len(holes):
+            assert self.prev_sampled_token_ids is not None, "a placeholder with no step before it"
+            prev = [self.prev_req_id_to_index[batch.req_ids[owner[i]]] for i in holes]
+            sampled = self.prev_sampled_token_ids.index_select(0, to_device(prev, self.device, torch.int64))
+            input_ids.index_copy_(0, to_device(holes, self.device, torch.int64), sampled)
+        return input_ids
 
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
         """``forward`` between a KV connector's loads and saves, if one is configured; the rows of a
@@ -155,11 +177,12 @@ class V1ModelRunner:
         meta = build_attention_metadata(
             self.cache, slot_mapping, batch.block_table[rows, :batch.num_blocks[rows].max()], seq_lens.astype(np.int32),
             None if counts.max() == 1 else np.concatenate([[0], ends]).astype(np.int32), self.backend)
-        done = seq_lens == batch.num_tokens[rows]  # (num_reqs,) every token computed: sample
+        done = seq_lens >= batch.num_tokens[rows]  # (num_reqs,) every token computed (a placeholder too): sample
         logits_indices = np.concatenate([(ends - 1)[done],
                                          self.extra_logits_indices(out, batch.num_computed_tokens[rows], ends)])
         with torch.inference_mode():
-            hidden = self.model(to_device(token_ids, self.device), to_device(positions, self.device), self.cache, meta)
+            input_ids = self.prepare_input_ids(token_ids, owner, positions)
+            hidden = self.model(input_ids, to_device(positions, self.device), self.cache, meta)
             batch.num_computed_tokens[rows] = seq_lens
             logits = self.model.compute_logits(hidden.index_select(0, to_device(logits_indices, self.device)))
             logits = logits.float()

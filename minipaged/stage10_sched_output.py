@@ -34,8 +34,9 @@ class CachedRequestData:
     """A request already in the persistent batch: only what changed since its last step."""
 
     req_id: Hashable
-    new_token_ids: list[int]  # the token sampled last step, if any
+    new_token_ids: list[int]  # the token sampled last step, if known yet
     new_block_ids: list[int]
+    num_computed_tokens: int = 0  # the request's tokens computed before this step (vLLM's field)
 
 
 @dataclass

@@ -82,7 +82,43 @@ def test_a_prompts_first_decode_waits_for_the_step_that_computes_its_prompt():
     first = engine.scheduler.schedule()
     engine.launch(first)  # the prompt's step, in flight
     assert "a" not in engine.scheduler.schedule().num_scheduled_tokens
-    engine.in_flight.future.result()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_when_a_steps_tokens_are_read_the_next_step_is_already_launched(async_scheduling, monkeypatch):
+    """vLLM's batch queue: when the host reads step k's tokens, the forward pass has been launched k + 1
+    times, in every steady step; so when ``step()`` hands back a request's token k, token k + 1 is on its
+    way. Synchronous stepping has launched k."""
+    llm = LLM("tiny", async_scheduling=async_scheduling)
+    engine, forwards, reads, returned = llm.engine, [], [], []
+    forward, sample_async = engine.runner.forward, engine.sampler.sample_async
+
+    def counted(out):
+        forwards.append(out)
+        return forward(out)
+
+    def traced(*args, **kwargs):
+        pending = sample_async(*args, **kwargs)
+        result = pending.result
+
+        def read():
+            reads.append(len(forwards))  # the forward passes launched when this step's tokens are read
+            return result()
+
+        pending.result = read
+        return pending
+
+    monkeypatch.setattr(engine.runner, "forward", counted)
+    monkeypatch.setattr(engine.sampler, "sample_async", traced)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                             ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            returned.append((len(out.outputs[0].token_ids), len(forwards)))
+    # the first token waits for the prompt's step, alone; the last is not followed by another
+    steady = [(k, n) for k, n in enumerate(reads, start=1) if 2 <= k < 11]
+    assert len(steady) == 9 and all(n == k + async_scheduling for k, n in steady), reads
+    assert all(n == k + async_scheduling for k, n in returned if 2 <= k < 11), returned
 
 
 def test_a_stopped_request_gets_no_token_from_the_step_it_was_scheduled_in_after_stopping():

@@ -146,11 +146,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledRow],
                  params: Sequence[SamplingParams]) -> SamplerOutput:
+        return self.sample_async(logits, seqs, params).result()
+
+    def sample_async(self, logits: torch.Tensor, seqs: Sequence[SampledRow],
+                     params: Sequence[SamplingParams]) -> PendingSamplerOutput:
+        """The same, queued on the logits' device: the tokens stay there (``token_ids``), their copy to the
+        host is started, and ``result()`` waits for it alone (not for work queued after it)."""
         with torch.inference_mode():  # the runner's logits are inference tensors, changed in place
             return self.sample(logits, seqs, params)
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SampledRow],
-               params: Sequence[SamplingParams]) -> SamplerOutput:
+               params: Sequence[SamplingParams]) -> PendingSamplerOutput:
         processors = any(p.has_logits_processors for p in params)
         raw = logits.clone() if processors and self.logprobs_mode.startswith("raw") else logits
         if processors:
@@ -172,8 +178,58 @@ class Sampler:
                 processed = logits.clone()
                 processed[rows] = cut
         source = raw if self.logprobs_mode.startswith("raw") else processed
-        return compute_logprobs(source, token_ids, [p.logprobs for p in params],
-                                as_logits=self.logprobs_mode.endswith("logits"))
+        return logprobs_on_device(source, token_ids, [p.logprobs for p in params],
+                                  as_logits=self.logprobs_mode.endswith("logits"))
+
+
+class PendingSamplerOutput:
+    """A ``SamplerOutput`` on its way to the host: the tokens ``token_ids`` ``(n,)`` on the device (a next
+    step's inputs may take them there), the copy of everything the host reads queued behind the
+    step's work, and, on CUDA, an event recorded after it. ``result()`` waits for that event only."""
+
+    def __init__(self, token_ids: torch.Tensor, chosen: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 num_logprobs: Sequence[int | None]) -> None:
+        self.token_ids, self.num_logprobs = token_ids, num_logprobs
+        # token ids are exact in float64 (any vocabulary below 2**53): one copy for the tokens and their logprobs
+        rows = [torch.stack((token_ids.to(torch.float64), chosen.to(torch.float64)))]
+        if top is not None:
+            rows.append(torch.stack((top[0].to(torch.float64), top[1].to(torch.float64))))
+        self.event: torch.cuda.Event | None = None
+        if token_ids.device.type == "cuda" and torch.cuda.is_available():
+            self.host = [t.to("cpu", non_blocking=True) for t in rows]  # pinned by the copy: not waited for
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = rows
+
+    def result(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        host_tokens, logprobs = self.host[0].tolist()
+        tokens_list = [int(t) for t in host_tokens]
+        top: list[dict[int, float] | None] = [None] * len(tokens_list)
+        if len(self.host) > 1:
+            host_values, host_indices = self.host[1].tolist()
+            asked = [i for i, k in enumerate(self.num_logprobs) if k is not None]
+            for r, i in enumerate(asked):
+                k = self.num_logprobs[i] or 0
+                top[i] = {**{int(t): v for t, v in zip(host_indices[r][:k], host_values[r][:k], strict=True)},
+                          tokens_list[i]: logprobs[i]}
+        return SamplerOutput(tokens_list, logprobs, top)
+
+
+def logprobs_on_device(logits: torch.Tensor, token_ids: torch.Tensor | list[int], num_logprobs: Sequence[int | None],
+                       as_logits: bool = False) -> PendingSamplerOutput:
+    """``compute_logprobs``, its copy to the host queued and not waited for."""
+    tokens = token_ids if isinstance(token_ids, torch.Tensor) else to_device(token_ids, logits.device, torch.int64)
+    rows = logits if as_logits else torch.log_softmax(logits, dim=-1)  # (n, vocab); one pass
+    chosen = rows.gather(1, tokens[:, None])[:, 0]
+    asked = [i for i, k in enumerate(num_logprobs) if k is not None]
+    top = None
+    if asked:
+        top = torch.topk(rows.index_select(0, to_device(asked, logits.device, torch.int64)),
+                         max(num_logprobs[i] or 0 for i in asked))
+    return PendingSamplerOutput(tokens, chosen, top, num_logprobs)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], num_logprobs: Sequence[int | None],
@@ -182,19 +238,4 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], 
     ones (and the chosen one), ``{token: logprob}``, only for the rows whose ``num_logprobs`` is a
     number ``k``; on the host. ``as_logits``: the logits themselves instead (the same tokens are the
     top ones). The tokens and their log-probabilities come back in one copy, the top ones in one more."""
-    tokens = token_ids if isinstance(token_ids, torch.Tensor) else to_device(token_ids, logits.device, torch.int64)
-    rows = logits if as_logits else torch.log_softmax(logits, dim=-1)  # (n, vocab); one pass
-    chosen = rows.gather(1, tokens[:, None])[:, 0]
-    # one copy to the host: token ids are exact in float64 (and any vocabulary below 2**53)
-    host_tokens, logprobs = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
-    tokens_list = [int(t) for t in host_tokens]
-    top: list[dict[int, float] | None] = [None] * len(tokens_list)
-    asked = [i for i, k in enumerate(num_logprobs) if k is not None]
-    if asked:
-        values, indices = torch.topk(rows[to_device(asked, logits.device)], max(num_logprobs[i] or 0 for i in asked))
-        host_values, host_indices = torch.stack((values.to(torch.float64), indices.to(torch.float64))).tolist()
-        for r, i in enumerate(asked):
-            k = num_logprobs[i] or 0
-            top[i] = {**{int(t): v for t, v in zip(host_indices[r][:k], host_values[r][:k], strict=True)},
-                      tokens_list[i]: logprobs[i]}
-    return SamplerOutput(tokens_list, logprobs, top)
+    return logprobs_on_device(logits, token_ids, num_logprobs, as_logits).result()

@@ -64,9 +64,8 @@ _SWAP_OUT = "        self.cache.swap_out(out.blocks_to_swap_out)\n"
 _SWAP_IN = "        self.cache.swap_in(out.blocks_to_swap_in)\n"
 _COPY = "        self.cache.copy_blocks(out.blocks_to_copy)\n"
 
-_RECORD = ("            for i, r in alive:\n                self.record_token(r, r.seqs[0], sampled.token_ids[i], "
-           "sampled.logprobs[i], sampled.top_logprobs[i])\n")
 _LAUNCH = "            if next_out.total_num_scheduled_tokens:\n                self.launch(next_out)\n"
+_READ = "            requests, sampled, logits = self.read_step(launched, next_out)\n"
 CATALOGUE: list[Mutant] = [
     # stage 0: the contiguous cache
     m(0, "the default scale rounds the square root of head_dim", (
@@ -436,7 +435,7 @@ CATALOGUE: list[Mutant] = [
                                                       "- before >= manager.num_free_blocks:")),
     m(10, "admitted past max_num_seqs", ("len(self.running) < self.max_num_seqs",
                                          "len(self.running) <= self.max_num_seqs")),
-    m(10, "a prompt's unfinished chunk samples a token", ("done = seq_lens == batch.num_tokens[rows]",
+    m(10, "a prompt's unfinished chunk samples a token", ("done = seq_lens >= batch.num_tokens[rows]",
                                                           "done = seq_lens > 0")),
     m(10, "a chunk's positions start at 0", ("np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts)",
                                              "np.repeat(-(ends - counts), counts)")),
@@ -447,8 +446,10 @@ CATALOGUE: list[Mutant] = [
         "")),
     m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n",
                                                             "")),
-    m(10, "async scheduling launches the next step before it appends the tokens it feeds back", (
-        _RECORD + _LAUNCH, _LAUNCH + _RECORD)),
+    m(10, "async scheduling reads a step's tokens before it launches the next", (_LAUNCH + _READ, _READ + _LAUNCH)),
+    m(10, "async scheduling appends a token to a request that ended while its step was in flight", (
+        "alive = [(i, r) for i, r in enumerate(requests) if not r.is_finished()]",
+        "alive = list(enumerate(requests))")),
     m(10, "a placeholder past the request's last token", (
         "last = len(seq.output_token_ids) + 1 >= request.max_tokens or len(seq) + 1 >= self.max_model_len",
         "last = len(seq) + 1 >= self.max_model_len")),
@@ -561,8 +562,8 @@ CATALOGUE: list[Mutant] = [
     m(14, "every saved file holds the step's first block", ("write_block(block_path(self.path, digest), kv[i])",
                                                         "write_block(block_path(self.path, digest), kv[0])")),
     m(14, "the saves written before the forward", (
-        "            connector.start_load_kv()\n            yield failed_req_ids\n            connector.wait_for_save()\n",
-        "            connector.start_load_kv()\n            connector.wait_for_save()\n            yield failed_req_ids\n")),
+        "            yield failed_req_ids\n            connector.wait_for_save()\n",
+        "            connector.wait_for_save()\n            yield failed_req_ids\n")),
     m(14, "a failed load's request keeps its logits", (
         "seq_ids = {r.req_id for r in meta.requests if not r.is_store and failed & set(r.block_ids)}",
         "seq_ids = set()")),
