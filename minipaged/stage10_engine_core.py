@@ -3,12 +3,13 @@
 vLLM V1's ``EngineCore`` has one loop and two ways to step it, chosen by ``async_scheduling``:
 
 * ``step``: schedule, run the forward pass, sample, update the requests — one thing at a time.
-* ``step_with_batch_queue``: two steps in flight. Step ``N + 1`` is scheduled while ``N``'s
-  forward pass runs (the forward pass and the sampler run in a worker: a thread here, as torch
-  releases the GIL inside its kernels); ``N``'s tokens reach ``N + 1``'s inputs, ``N + 1`` is
-  launched, and only then are ``N``'s outputs processed (stop tokens, stop strings, finished
-  requests). The scheduler's side is ``AsyncScheduler`` (``stage10_async_scheduling``): it
-  schedules a placeholder for each token not sampled yet.
+* ``step_with_batch_queue``: two steps in flight. Step ``N + 1`` is scheduled while ``N`` runs on
+  the device, and launched before ``N``'s tokens are read: its placeholders take ``N``'s sampled
+  tokens on the device. Only then are ``N``'s tokens read back (the one wait, for ``N``'s work alone)
+  and its outputs processed (stop tokens, stop strings, finished requests) while ``N + 1`` runs. The
+  scheduler's side is ``AsyncScheduler`` (``stage10_async_scheduling``): it schedules a placeholder
+  for each token not sampled yet. On a CPU every call runs to its end, so nothing overlaps; the
+  order of the steps is the same.
 
 The parts the scheduler and the runner hold when they are configured take part in the same
 loop: a spec decoder (stage 12 gives one) proposes tokens before a step and checks them after it;

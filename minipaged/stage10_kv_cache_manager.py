@@ -37,13 +37,11 @@ class KVCacheManager:
         and nothing taken, if that needs more blocks than are free."""
         manager, table = self.manager, self.manager.table(seq.seq_id)
         missing = seq.num_computed_tokens + num_new_tokens - table.num_tokens  # slots to add
-        # BEGIN SOLUTION refuse when the blocks are short; else append the slots one by one
-        before = len(table.block_ids)
-        if manager.blocks_needed(table.num_tokens + missing) - before > manager.num_free_blocks:
+        # BEGIN SOLUTION refuse when the blocks are short; else append the slots at once
+        needed = manager.blocks_needed(table.num_tokens + missing) - len(table.block_ids)
+        if needed > 0 and needed > manager.num_free_blocks:
             return None
-        for _ in range(missing):
-            manager.append_slot(seq.seq_id)
-        return manager.get_block_table(seq.seq_id)[before:]
+        return manager.append_slots(seq.seq_id, missing) if missing > 0 else []
         # END SOLUTION
 
     def free(self, seq: Sequence) -> None:

@@ -125,10 +125,6 @@ class V1Scheduler:
         self.finished_req_ids.append(request.request_id)
         self.num_tokens_sent.pop(request.request_id, None)
 
-    @staticmethod
-    def request_of_id(req_id: Hashable, out: SchedulerOutput) -> Request:
-        return next(r for r in out.scheduled if r.request_id == req_id)
-
     def request_of(self, seq: Sequence) -> Request:
         return next(r for r in (*self.running, *self.waiting) if r.seqs[0] is seq)
 
@@ -242,9 +238,6 @@ class V1Scheduler:
         for request in out.scheduled:
             request.seqs[0].num_computed_tokens += out.num_scheduled_tokens[request.request_id]
         # END SOLUTION
-        for cached in out.scheduled_cached_reqs:
-            seq = self.request_of_id(cached.req_id, out).seqs[0]
-            cached.num_computed_tokens = seq.num_computed_tokens - out.num_scheduled_tokens[cached.req_id]
         if self.spec_decoder is not None:  # the guessed tokens of the requests still scheduled
             out.scheduled_spec_decode_tokens = self.spec_decoder.take_scheduled(out)
         if self.connector is not None:  # what the connector's worker side loads and saves this step
@@ -269,6 +262,10 @@ class V1Scheduler:
         # END SOLUTION
 
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        """The request computes ``n`` tokens this step (its message to the runner is the last one made)."""
+        cached = out.scheduled_cached_reqs
+        if cached and cached[-1].req_id == request.request_id:
+            cached[-1].num_computed_tokens = request.seqs[0].num_computed_tokens
         out.num_scheduled_tokens[request.request_id] = n
         out.scheduled.append(request)
         self.num_tokens_sent[request.request_id] = len(request.seqs[0])

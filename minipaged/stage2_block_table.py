@@ -146,6 +146,19 @@ class BlockSpaceManager:
         return self.slot_of(seq_id, table.num_tokens - 1)
         # END SOLUTION
 
+    def append_slots(self, seq_id: Hashable, n: int) -> list[int]:
+        """Room for ``n`` more tokens at once, as ``append_slot`` ``n`` times (nano-vllm's ``may_append``):
+        the blocks taken (none while the last block has room). ``OutOfBlocksError``, nothing changed, if
+        too few are free."""
+        table = self.table(seq_id)
+        # BEGIN SOLUTION the blocks the new length needs beyond those held, in one call; then count the tokens
+        needed = self.blocks_needed(table.num_tokens + n) - len(table.block_ids)
+        taken = self.allocator.allocate(needed) if needed > 0 else []
+        table.block_ids += taken
+        table.num_tokens += n
+        return taken
+        # END SOLUTION
+
     def slot_of(self, seq_id: Hashable, position: int) -> int:
         """The slot of token ``position`` of ``seq_id``: block id * block_size + offset.
 

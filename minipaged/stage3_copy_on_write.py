@@ -168,6 +168,13 @@ class CowBlockSpaceManager(BlockSpaceManager):
         return super().append_slot(seq_id)
         # END SOLUTION
 
+    def append_slots(self, seq_id: Hashable, n: int) -> list[int]:
+        """As stage 2's; a shared, partly filled last block is copied on write first (``append_slot``)."""
+        if n > 0 and self.table(seq_id).num_tokens % self.block_size and self.needs_new_block(seq_id):
+            self.append_slot(seq_id)
+            n -= 1
+        return super().append_slots(seq_id, n)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The ``(source, destination)`` block copies queued since the last call."""
         copies, self.pending_copies = self.pending_copies, []

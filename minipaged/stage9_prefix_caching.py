@@ -200,13 +200,21 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
 
     def append_slot(self, seq_id: Hashable) -> int:
         """As before; first, the full blocks of the prompt, computed by now, become findable."""
+        self.cache_prompt_blocks(seq_id)
+        return super().append_slot(seq_id)
+
+    def append_slots(self, seq_id: Hashable, n: int) -> list[int]:
+        self.cache_prompt_blocks(seq_id)
+        return super().append_slots(seq_id, n)
+
+    def cache_prompt_blocks(self, seq_id: Hashable) -> None:
+        """The full blocks of a sequence's prompt, computed once it appends its first token, become findable."""
         if seq_id in self.uncached:
             tokens, done, digest = self.uncached.pop(seq_id)
             block_ids, size = self.table(seq_id).block_ids, self.block_size
             for i in range(done, len(tokens) // size):
                 digest = block_hash(digest, tokens[i * size:(i + 1) * size])
                 self.allocator.cache(block_ids[i], digest)
-        return super().append_slot(seq_id)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> BlockTable:
         child = super().fork(parent_seq_id, child_seq_id)

@@ -93,6 +93,23 @@ def test_append_slot_takes_a_block_only_when_the_last_is_full():
     assert manager.block_tables["a"].num_tokens == 5
 
 
+def test_append_slots_is_append_slot_n_times_and_a_refusal_changes_nothing():
+    one, bulk = BlockSpaceManager(BlockAllocator(6), 4), BlockSpaceManager(BlockAllocator(6), 4)
+    for manager in (one, bulk):
+        manager.allocate("a", range(3))
+    for n in (1, 0, 4, 1, 7):
+        before = one.get_block_table("a")
+        for _ in range(n):
+            one.append_slot("a")
+        assert bulk.append_slots("a", n) == one.get_block_table("a")[len(before):]  # the blocks taken, if any
+        assert bulk.get_block_table("a") == one.get_block_table("a")
+        assert bulk.block_tables["a"].num_tokens == one.block_tables["a"].num_tokens
+    assert bulk.num_free_blocks == one.num_free_blocks == 2  # 16 tokens: blocks 0-3; two blocks left
+    with pytest.raises(OutOfBlocksError):
+        bulk.append_slots("a", 9)  # three blocks
+    assert bulk.block_tables["a"].num_tokens == 16 and bulk.num_free_blocks == 2
+
+
 def test_out_of_blocks_changes_nothing_and_free_returns_everything():
     manager = BlockSpaceManager(BlockAllocator(3), 2)
     manager.allocate("a", range(4))

@@ -134,6 +134,16 @@ def test_copy_on_write_only_for_a_shared_partial_last_block():
     assert manager.take_copies() == [] and manager.get_block_table("r")[0] == manager.get_block_table("q")[0]
 
 
+def test_append_slots_copies_a_shared_partial_last_block_on_write_first():
+    manager = CowBlockSpaceManager(RefCountedBlockAllocator(10), 4)
+    manager.allocate("p", range(6))  # blocks [0, 1]; block 1 holds 2 of 4
+    manager.fork("p", "c")
+    assert manager.append_slots("c", 3) == [3]  # two tokens into a private copy of block 1, one into block 3
+    assert manager.take_copies() == [(1, 2)] and manager.get_block_table("c") == [0, 2, 3]
+    assert manager.ref_count(1) == 1 and manager.block_tables["c"].num_tokens == 9
+    assert manager.append_slots("p", 2) == [] and manager.take_copies() == []  # block 1 is p's alone now
+
+
 def test_copy_blocks_copies_every_layer():
     cache = CowPagedKVCache(3, 4, 2, 1, 2)
     for layer in range(3):

@@ -163,6 +163,14 @@ def test_a_reused_block_never_hands_back_another_prefixs_kv():
     assert manager.allocate("d", [1, 1, 2, 2, 8]) == 0  # [1, 1] is gone, so [2, 2] after it is never reached
 
 
+def test_appending_several_slots_at_once_makes_the_prompts_blocks_findable_too():
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(6), 2)
+    manager.allocate("a", [1, 1, 2, 2, 9])
+    manager.append_slots("a", 3)  # its prompt is computed: blocks 0 and 1 become findable
+    manager.free("a")
+    assert manager.allocate("b", [1, 1, 2, 2, 7]) == 4
+
+
 def test_eviction_is_least_recently_used_and_last_blocks_first():
     manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(5), 2)
     prompt = [1, 2, 3, 4, 5, 6, 7]

@@ -126,6 +126,9 @@ CATALOGUE: list[Mutant] = [
     m(1, "num_free_blocks counts the used", ("return len(self._free_stack)",
                                              "return self._num_blocks - len(self._free_stack)")),
     # stage 2: block tables
+    m(2, "append_slots takes a block for every token", (
+        "needed = self.blocks_needed(table.num_tokens + n) - len(table.block_ids)",
+        "needed = self.blocks_needed(n)")),
     m(2, "blocks_needed rounds down", ("return -(-num_tokens // self.block_size)",
                                        "return num_tokens // self.block_size")),
     m(2, "a new block one token too early", (
@@ -431,8 +434,8 @@ CATALOGUE: list[Mutant] = [
     m(10, "a cached prefix is computed again", (
         "            return self.manager.allocate(seq.seq_id, seq.token_ids)\n",
         "            self.manager.allocate(seq.seq_id, seq.token_ids)\n            return 0\n")),
-    m(10, "a decode is refused the last free block", ("- before > manager.num_free_blocks:",
-                                                      "- before >= manager.num_free_blocks:")),
+    m(10, "a decode is refused the last free block", ("needed > 0 and needed > manager.num_free_blocks:",
+                                                      "needed > 0 and needed >= manager.num_free_blocks:")),
     m(10, "admitted past max_num_seqs", ("len(self.running) < self.max_num_seqs",
                                          "len(self.running) <= self.max_num_seqs")),
     m(10, "a prompt's unfinished chunk samples a token", ("done = seq_lens >= batch.num_tokens[rows]",
