@@ -12,12 +12,10 @@ forward), the sampler, and the rest (outputs and counters), the median of 5 runs
 steps (one of 16 with --quick). The requests ask for their outputs when they finish
 (``FINAL_ONLY``), as ``LLM.generate`` does. The thread count and the machine's load are recorded.
 
-Stage 10 runs twice: stepping synchronously, and with async scheduling, where the forward
-and the sampler run in a worker thread while the engine schedules the next step and
-processes the last one's outputs. There the parts overlap: schedule and rest are work done
-while the model runs, and the step is what the model waits for. On a CPU the overlap is
-small: the tiny model's forward is mostly Python dispatching small kernels, and only inside
-a kernel does torch release the GIL that the engine's Python needs.
+Stage 10 runs twice: stepping synchronously, and with async scheduling, vLLM's batch queue:
+step N + 1 is scheduled and launched before step N's tokens are read, and N's outputs are
+processed after that launch. On a CPU every call runs to its end, so nothing overlaps: the
+parts are the same work in another order, and what the batch queue costs shows.
 
 On a GPU (``--device cuda``, the default where there is one) the engine runs in bfloat16
 (``--dtype``) with stage 5's Triton kernels. Its calls return once their kernels are queued, so
@@ -25,8 +23,7 @@ the decode steps are timed between two ``torch.cuda.synchronize()``, and the for
 synchronizes before and after each forward: its time is that of the forward's kernels, not of
 their launch (else the wait for them would show up in the sampler, which reads the tokens back).
 Those two waits per step take away a little of the overlap of host and device, so a measured
-step is a little longer than an unmeasured one; with async scheduling they are made in the worker
-thread, and the engine's thread goes on scheduling.
+step is a little longer than an unmeasured one.
 
 Writes bench/results/step_overhead.json (bench/results/quick/ with --quick; on a GPU,
 bench/results/gpu/ and gpu/quick/); the last line is the headline.
@@ -80,7 +77,8 @@ def run(llm_class, options: dict, batch: int, steps: int, seed: int, device: tor
     # Only the forward waits for the device; the sampler waits anyway, when it reads its tokens back.
     wait = device if gpu else None
     timed = [(llm.model, "forward", "forward", wait), (llm.model, "compute_logits", "forward", wait),
-             (llm.engine.scheduler, "schedule", "schedule", None), (llm.engine, "sampler", "sample", None),
+             (llm.engine.scheduler, "schedule", "schedule", None),
+             (llm.engine.sampler, "sample_async", "sample", None),
              (runner, "execute_model" if hasattr(runner, "execute_model") else "execute", "runner", None)]
     for obj, name, key, sync in timed:  # instance attributes win over the class's methods
         setattr(obj, name, Timed(getattr(obj, name), clock, key, sync))
