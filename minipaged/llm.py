@@ -7,13 +7,14 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | part | chosen by | from stage |
 |---|---|---|
 | block manager | ``enable_prefix_caching``: copy-on-write and swap, or prefix caching | 6 (on 3), 9 |
-| scheduler | ``scheduler``: V0 (the paper's) or V1; V1's async or draft variant | 6, 10, 12 |
+| scheduler | ``scheduler``: V0 (the paper's) or V1; ``async_scheduling``: V1's ``AsyncScheduler`` | 6, 10 |
 | model and K/V cache | ``tensor_parallel_size``: in this process, or in workers behind an executor | 7, 11 |
-| runner | ``scheduler``, and drafts to verify | 7, 10, 12 |
-| engine (the loop) | ``scheduler``, ``stage``, ``async_scheduling``, ``speculative_config`` | 7, 8, 9, 10, 12 |
-| proposer | ``speculative_config``: none, or n-gram | 12 |
+| runner | ``scheduler``: V0's, or V1's, with the parts below that it holds | 7, 10 |
+| engine (the loop) | ``scheduler``, ``stage``; V1's: a step at a time, or a batch queue (``async_scheduling``) | 7-10 |
+| drafts (``SpecDecoder``) | ``speculative_config``: none, or n-gram; the engine, scheduler and runner hold it | 12 |
 | K/V storage and attention | ``kv_cache_dtype``: the model's dtype, or e4m3 with per-layer scales | 6, 13 |
-| KV connector | ``kv_transfer_config``: none, or one that loads and saves blocks (producer, consumer, both) | 14 |
+| KV connector | ``kv_transfer_config``: none, or one that loads and saves blocks (producer, consumer, both); | 14 |
+| | its scheduler side is the scheduler's ``connector``, its worker side the runner's and the attention's | |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
