@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
           **_given(args, "max_num_batched_tokens", "enable_prefix_caching"), enforce_eager=args.enforce_eager,
           kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
           logprobs_mode=args.logprobs_mode, tensor_parallel_size=args.tensor_parallel_size,
-          scheduler=args.scheduler or ("v1" if args.kv_transfer_config else "v0"),
+          scheduler=_scheduler(args),
           **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
           **({"kv_transfer_config": args.kv_transfer_config} if args.kv_transfer_config else {}),
           **({"async_scheduling": True} if args.async_scheduling else {}))
@@ -116,11 +116,16 @@ DEMO_PROMPTS = [
 ]
 
 
+def _scheduler(args: argparse.Namespace) -> str:
+    """V1, as ``LLM()`` defaults to; V0 when asked (``--scheduler v0``), or for what only V0 serves: swap."""
+    return getattr(args, "scheduler", None) or ("v0" if args.preemption_mode == "swap" else "v1")
+
+
 def _engine_demo(args: argparse.Namespace) -> None:
     from minipaged import LLM, SamplingParams
 
-    llm = LLM("tiny", scheduler="v0", num_gpu_blocks=args.blocks, block_size=16, max_model_len=128,
-              preemption_mode=args.preemption_mode, seed=0)  # the paper's scheduler: swap or recompute
+    llm = LLM("tiny", scheduler=_scheduler(args), num_gpu_blocks=args.blocks, block_size=16, max_model_len=128,
+              preemption_mode=args.preemption_mode, seed=0)  # V1; the paper's V0 to swap
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
     print(f"{len(DEMO_PROMPTS)} prompts through the tiny model, in a KV cache of only {args.blocks} blocks "
           f"of 16 tokens ({args.blocks * 16} slots), preemption by {args.preemption_mode}:\n")
@@ -176,7 +181,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               preemption_mode=args.preemption_mode, attention_backend=args.backend, dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-              scheduler="v0", enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              scheduler=_scheduler(args), enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
               calculate_kv_scales=args.calculate_kv_scales,
               **_given(args, "max_num_batched_tokens", "enable_prefix_caching"))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -285,13 +290,13 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole body (else HTTP 408)")
     p.add_argument("--scheduler", choices=["v0", "v1"],
-                   help="v0: the paper's (stage 6: swap or recompute, n > 1, beams; the default); v1: stage 10's "
-                        "(one token budget per step, chunked prefill, prefix caching on by default; the default "
-                        "with --kv-transfer-config)")
+                   help="v1: stage 10's, vLLM V1's (one token budget per step, chunked prefill, prefix caching on "
+                        "by default; the default); v0: the paper's (stage 6; the default with --preemption-mode "
+                        "swap, which only v0 serves)")
     p.add_argument("--async-scheduling", action="store_true",
-                   help="with --scheduler v1: schedule each step while the one before runs")
+                   help="V1's batch queue: schedule and launch each step before the one before is read")
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
-                   help='with --scheduler v1: speculative decoding, vLLM\'s speculative_config, e.g. '
+                   help='speculative decoding (V1), vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' (stage 12)')
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="worker processes that each hold a shard of the model and of every KV block (stage 11)")
@@ -322,8 +327,9 @@ def _add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="serve prompts in a tiny cache, then show where memory goes")
     p.add_argument("--blocks", type=int, default=8, help="KV cache blocks for the engine demo")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--preemption-mode", default="swap", choices=["recompute", "swap"],
-                   help="what a preempted request loses: its K/V (recompute) or its place on the device (swap)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what a preempted request loses: its K/V (recompute, under V1) or its place on the device "
+                        "(swap, under the paper's V0)")
     p.add_argument("--requests", type=int, default=300, help="requests of the memory simulation")
     p.add_argument("--slots", type=int, default=16384, help="KV slots of the memory simulation")
     p.add_argument("--rate", type=float, default=0.2, help="arrivals per decode step")

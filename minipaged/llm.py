@@ -62,6 +62,7 @@ from minipaged.stage8_sharing import BeamSearchOutput, BeamSearchParams, Sharing
 from minipaged.stage9_prefix_caching import PrefixCachingAllocator, PrefixCachingBlockSpaceManager, PrefixCachingEngine
 from minipaged.stage10_async_scheduling import AsyncScheduler
 from minipaged.stage10_engine_core import V1Engine
+from minipaged.stage10_front_end import beam_search_over
 from minipaged.stage10_kv_cache_manager import KVCacheManager
 from minipaged.stage10_model_runner import V1ModelRunner
 from minipaged.stage10_v1_scheduler import V1Scheduler
@@ -255,13 +256,18 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Iterable[Prompt],
                     params: BeamSearchParams | None = None) -> list[BeamSearchOutput]:
-        """Beam search for each prompt, served together (stage 8's, under V0's scheduler); each
-        output's beams best first. V1 serves one sequence per request, as vLLM V1's engine does."""
-        if not isinstance(self.engine, SharingEngine):
-            raise ValueError("beam search needs stage >= 8 and scheduler='v0' (V1 serves one sequence per request)")
+        """Beam search for each prompt, served together; each output's beams best first. Under V0 (stage 8 and
+        up), the engine's: beams forked on shared blocks. Under V1, in the front end as vLLM's ``LLM.beam_search``
+        runs (``beam_search_over``): one-token requests whose common blocks the prefix cache shares."""
+        params = params or BeamSearchParams()
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        ids = [self.next_request_id() for _ in prompts]
-        return self.engine.beam_search(prompts, params or BeamSearchParams(), ids)
+        if isinstance(self.engine, SharingEngine):
+            return self.engine.beam_search(prompts, params, [self.next_request_id() for _ in prompts])
+        if self.config.stage < 8:
+            raise ValueError("beam search needs stage >= 8")
+        checked = [self.engine.processor.process_inputs(prompt, params) for prompt in prompts]
+        return beam_search_over(lambda asked, one: self.generate(asked, one, use_tqdm=False), checked, params,
+                                self.engine.eos_token_ids, self.engine.text)
 
     @property
     def stats(self) -> Stats:

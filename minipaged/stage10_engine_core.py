@@ -33,6 +33,7 @@ from minipaged.common.sampling_params import RequestOutput, SamplingParams
 from minipaged.common.sequence import SequenceStatus
 from minipaged.stage7_engine import CUMULATIVE, LLMEngine, Request
 from minipaged.stage9_prefix_caching import skip_cache_reads_for_prompt_logprobs
+from minipaged.stage10_front_end import ChildRequestId, ParentRequest
 from minipaged.stage10_v1_scheduler import prompt_logprob_requests
 
 if TYPE_CHECKING:
@@ -89,11 +90,52 @@ class V1Engine(LLMEngine):
         self.in_flight: InFlight | None = None
         self.stale: set[Hashable] = set()  # sent back after the step in flight was scheduled: its tokens dropped
         self.last_scheduler_output: SchedulerOutput | None = None  # kept for pictures of the steps
+        self.parents: dict[Hashable, ParentRequest] = {}  # requests of n > 1 samples, by id
 
     def add_request(self, request_id: Hashable, prompt: Prompt, params: SamplingParams) -> Request:
-        if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"stage 10 serves one sequence per request; n={params.n} is stage 8's")
-        return super().add_request(request_id, prompt, params)
+        """Check and queue a request; one of ``n > 1`` samples fans out into ``n`` child requests
+        (``ParentRequest``): child ``i`` is seeded ``seed + i``, the request's seed or one drawn for it."""
+        if not (isinstance(params, SamplingParams) and params.n > 1):
+            return super().add_request(request_id, prompt, params)
+        if request_id in self.parents:
+            raise ValueError(f"request {request_id!r} already exists")
+        parent = ParentRequest(request_id, params)
+        children: list[Request] = []
+        try:
+            for index, child_id in enumerate(parent.child_ids):
+                children.append(super().add_request(child_id, prompt, parent.child_params(index)))
+                parent.seed = children[0].seed  # drawn for the first child when the request names none
+        except BaseException:
+            for child in children:
+                self.abort_request(child.request_id)
+            raise
+        self.parents[request_id] = parent
+        return children[0]
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """Stop a request wherever it is (a parent: every child); its blocks go back to the pool."""
+        parent = self.parents.pop(request_id, None)
+        for child_id in parent.child_ids if parent is not None else [request_id]:
+            super().abort_request(child_id)
+
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The children's outputs of a step, each parent's gathered into one (``ParentRequest.make_output``)."""
+        gathered: list[RequestOutput] = []
+        touched: dict[Hashable, None] = {}  # the parents of this step's children, in order
+        for output in outputs:
+            parent_id = output.request_id.parent if isinstance(output.request_id, ChildRequestId) else None
+            if parent_id in self.parents:
+                self.parents[parent_id].add_output(output)
+                touched[parent_id] = None
+            else:
+                gathered.append(output)
+        for parent_id in touched:
+            made = self.parents[parent_id].make_output()
+            if made is not None:
+                gathered.append(made)
+                if made.finished:
+                    del self.parents[parent_id]
+        return gathered
 
     def make_request(self, request_id: Hashable, text: str | None, ids: list[int], params: SamplingParams,
                      seed: int) -> Request:
@@ -106,7 +148,12 @@ class V1Engine(LLMEngine):
         (schedule, ``execute_and_sample``, outputs); a spec decoder proposes first."""
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)
-        return self.step_with_batch_queue() if self.async_scheduling else super().step()
+        try:
+            outputs = self.step_with_batch_queue() if self.async_scheduling else super().step()
+        except BaseException:  # blocks made findable for the step's tokens may never have been written
+            self.scheduler.kv_cache_manager.reset_prefix_cache()
+            raise
+        return self.gather(outputs) if self.parents else outputs
 
     # ---- the parts of a step ----
 

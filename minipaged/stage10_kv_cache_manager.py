@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from minipaged.common.sequence import Sequence
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage6_swapping import SwapBlockSpaceManager
+from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
 
 
 class KVCacheManager:
@@ -43,6 +44,18 @@ class KVCacheManager:
             return None
         return manager.append_slots(seq.seq_id, missing) if missing > 0 else []
         # END SOLUTION
+
+    def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """With prefix caching, the full blocks of the sequence's first ``num_computed_tokens`` tokens become
+        findable as soon as a step is scheduled to compute them (vLLM's ``cache_blocks``, which
+        ``allocate_slots`` calls): a request admitted after this one, in the same step too, finds them."""
+        if isinstance(self.manager, PrefixCachingBlockSpaceManager):
+            self.manager.cache_computed_blocks(seq.seq_id, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a step that failed, whose blocks may never have been written)."""
+        if isinstance(self.manager, PrefixCachingBlockSpaceManager):
+            self.manager.allocator.reset_prefix_cache()
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq.seq_id)

@@ -262,13 +262,15 @@ class V1Scheduler:
         # END SOLUTION
 
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
-        """The request computes ``n`` tokens this step (its message to the runner is the last one made)."""
+        """The request computes ``n`` tokens this step (its message to the runner is the last one made); the
+        full blocks they complete become findable now, for the requests scheduled after it."""
         cached = out.scheduled_cached_reqs
         if cached and cached[-1].req_id == request.request_id:
             cached[-1].num_computed_tokens = request.seqs[0].num_computed_tokens
         out.num_scheduled_tokens[request.request_id] = n
         out.scheduled.append(request)
         self.num_tokens_sent[request.request_id] = len(request.seqs[0])
+        self.kv_cache_manager.cache_blocks(request.seqs[0], request.seqs[0].num_computed_tokens + n)
 
 
 def prompt_logprob_requests(out: SchedulerOutput) -> list[tuple[Request, range]]:

@@ -76,6 +76,12 @@ class ConnectorKVCacheManager(KVCacheManager):
         manager = self.manager
         return isinstance(manager, PrefixCachingBlockSpaceManager) and seq.seq_id in manager.uncached_reads
 
+    def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """V1's, except for a request the connector supplied tokens to: its blocks are not findable before its
+        loads are known not to have failed (stage 9 makes them findable at its first decode)."""
+        if not self.external.get(seq.seq_id):
+            super().cache_blocks(seq, num_computed_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.connector.build_connector_meta(scheduler_output)
 

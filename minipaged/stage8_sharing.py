@@ -28,8 +28,9 @@ but divided by ``max_tokens ** length_penalty`` when the penalty is positive.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -82,6 +83,47 @@ class BeamRequest(Request):
     beams: list[SampledSequence] = field(default_factory=list)
     hypotheses: list[tuple[float, float, list[int]]] = field(default_factory=list)
     improvable: bool = True
+
+
+class BeamState(Protocol):
+    """What a beam search keeps between steps: its settings, the finished hypotheses (score, log-probability,
+    tokens) best first, and whether a running beam can still beat the worst of them."""
+
+    beam: BeamSearchParams
+    beams: list[Any]
+    hypotheses: list[tuple[float, float, list[int]]]
+    improvable: bool
+
+
+def select_beams(state: BeamState, candidates: list[tuple[float, int, int]], generated: int,
+                 eos_token_ids: Collection[int]) -> tuple[list[tuple[float, int, int]], bool]:
+    """One step of beam search, given the best ``2 * beam_width`` candidates ``(log-probability, beam, token)``,
+    best first, and the length of the beams once the token is added: the ending candidates among the first
+    ``beam_width`` become hypotheses; the best ``beam_width`` others are kept. Returns the kept candidates
+    and whether the search is done (the module's docstring says when)."""
+    p, width = state.beam, state.beam.beam_width
+    beams = state.beams
+    # BEGIN SOLUTION ending candidates among the first width become hypotheses; the best width others the beams
+    heuristic_ok = state.improvable and not (len(state.hypotheses) == width and p.early_stopping is True)
+    keep = []
+    for rank, (value, beam, token) in enumerate(candidates):
+        ends = (not p.ignore_eos and token in eos_token_ids) or generated >= p.max_tokens
+        if ends and rank < width and heuristic_ok:
+            tokens = list(beams[beam].output_token_ids) + [token]
+            state.hypotheses.append((value / generated**p.length_penalty, value, tokens))
+        elif not ends:
+            keep.append((value, beam, token))
+    state.hypotheses = sorted(state.hypotheses, key=lambda h: -h[0])[:width]
+    keep = keep[:width]
+    done = not keep
+    if keep:
+        best_possible = keep[0][0] / ((p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0
+                                       else generated) ** p.length_penalty)
+        if len(state.hypotheses) == width and best_possible <= state.hypotheses[-1][0]:
+            state.improvable = False
+        done = not state.improvable or (len(state.hypotheses) == width and p.early_stopping is True)
+    # END SOLUTION
+    return keep, done
 
 
 class SharingEngine(LLMEngine):
@@ -142,36 +184,17 @@ class SharingEngine(LLMEngine):
 
     def advance_beams(self, request: BeamRequest, seqs: list[SampledSequence], logprobs: torch.Tensor) -> None:
         """Score the (beam, token) candidates, finish the ending ones, fork or free the beams."""
-        p, width = request.beam, request.beam.beam_width
+        width = request.beam.beam_width
         beams = request.beams
         rows = logprobs[[seqs.index(b) for b in beams]]  # (beams, vocab), best beam first
         scores = torch.tensor([b.cumulative_logprob for b in beams])
-        generated = len(beams[0].output_token_ids) + 1
-        # BEGIN SOLUTION the best 2 * width candidates; ending ones become hypotheses, the best width others the beams
+        # BEGIN SOLUTION the best 2 * width (beam, token) candidates, by the beam's log-probability plus the token's
         values, indices = torch.topk((rows + scores[:, None]).flatten(), min(2 * width, rows.numel()))
-        candidates = []  # (value, beam, token, ends)
-        for value, index in zip(values.tolist(), indices.tolist(), strict=True):
-            beam, token = divmod(index, rows.shape[1])
-            ends = (not p.ignore_eos and token in self.eos_token_ids) or generated >= p.max_tokens
-            candidates.append((value, beam, token, ends))
-        heuristic_ok = request.improvable and not (len(request.hypotheses) == width and p.early_stopping is True)
-        for rank, (value, beam, token, ends) in enumerate(candidates):
-            if ends and rank < width and heuristic_ok:
-                tokens = beams[beam].output_token_ids + [token]
-                request.hypotheses.append((value / generated**p.length_penalty, value, tokens))
-        request.hypotheses = sorted(request.hypotheses, key=lambda h: -h[0])[:width]
-        keep = [(value, beam, token) for value, beam, token, ends in candidates if not ends][:width]
-        done = not keep
-        if keep:
-            best_possible = keep[0][0] / ((p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0
-                                           else generated) ** p.length_penalty)
-            if len(request.hypotheses) == width and best_possible <= request.hypotheses[-1][0]:
-                request.improvable = False
-            done = not request.improvable or (len(request.hypotheses) == width and p.early_stopping is True)
+        candidates = [(value, *divmod(index, rows.shape[1])) for value, index in zip(values.tolist(), indices.tolist(),
+                                                                                     strict=True)]
         # END SOLUTION
-        if done:
-            keep = []
-        request.beams = self.replace_beams(request, beams, keep)
+        keep, done = select_beams(request, candidates, len(beams[0].output_token_ids) + 1, self.eos_token_ids)
+        request.beams = self.replace_beams(request, beams, [] if done else keep)
 
     def replace_beams(self, request: BeamRequest, beams: list[SampledSequence],
                       keep: list[tuple[float, int, int]]) -> list[SampledSequence]:

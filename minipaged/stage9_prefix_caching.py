@@ -147,6 +147,15 @@ class PrefixCachingAllocator:
         """Its lookups, hits and evictions since it was made."""
         return dataclasses.replace(self._stats)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (vLLM's ``reset_prefix_cache``): nothing can be found any more, and the cached
+        blocks nobody holds go back to the pool."""
+        for block_id in self.evictor:
+            self.inner.free(block_id)
+        self.evictor.clear()
+        self.cached.clear()
+        self.hash_of.clear()
+
     def cache(self, block_id: int, digest: bytes) -> None:
         """Make a full block, its K/V computed, findable by ``digest`` (the first block named so keeps it)."""
         if digest not in self.cached and block_id not in self.hash_of:
@@ -210,11 +219,26 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
     def cache_prompt_blocks(self, seq_id: Hashable) -> None:
         """The full blocks of a sequence's prompt, computed once it appends its first token, become findable."""
         if seq_id in self.uncached:
-            tokens, done, digest = self.uncached.pop(seq_id)
-            block_ids, size = self.table(seq_id).block_ids, self.block_size
-            for i in range(done, len(tokens) // size):
-                digest = block_hash(digest, tokens[i * size:(i + 1) * size])
-                self.allocator.cache(block_ids[i], digest)
+            self.cache_computed_blocks(seq_id, len(self.uncached[seq_id][0]))
+
+    def cache_computed_blocks(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The full blocks among the first ``num_tokens`` tokens the sequence was allocated with become
+        findable: their K/V are computed by now, or are being computed by the step about to run (a
+        request of the same step reads them after they are written, layer by layer)."""
+        if seq_id not in self.uncached:
+            return
+        tokens, done, digest = self.uncached[seq_id]
+        block_ids, size = self.table(seq_id).block_ids, self.block_size
+        # BEGIN SOLUTION the blocks full within num_tokens, past those cached, each named on the one before
+        full = min(num_tokens, len(tokens)) // size
+        for i in range(done, full):
+            digest = block_hash(digest, tokens[i * size:(i + 1) * size])
+            self.allocator.cache(block_ids[i], digest)
+        # END SOLUTION
+        if full >= len(tokens) // size:
+            del self.uncached[seq_id]
+        elif full > done:
+            self.uncached[seq_id] = (tokens, full, digest)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> BlockTable:
         child = super().fork(parent_seq_id, child_seq_id)

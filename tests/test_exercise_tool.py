@@ -74,8 +74,10 @@ def test_a_stage_of_two_files_names_its_main_file_first():
     names = {stage: [path.name for path in paths] for stage, paths in stage_files().items()}
     assert names[6] == ["stage6_scheduler.py", "stage6_swapping.py"]
     assert names[7] == ["stage7_engine.py", "stage7_model_runner.py"]
-    assert names[10] == ["stage10_v1_scheduler.py",  # it imports the runner and the messages; async imports it
-                         "stage10_async_scheduling.py", "stage10_model_runner.py", "stage10_sched_output.py"]
+    assert names[10] == ["stage10_v1_scheduler.py",  # it imports its KV cache manager and the messages; async,
+                         "stage10_async_scheduling.py", "stage10_engine_core.py",  # the engine and the front end
+                         "stage10_front_end.py", "stage10_kv_cache_manager.py",  # import it
+                         "stage10_model_runner.py", "stage10_sched_output.py"]
     assert names[11] == ["stage11_tensor_parallel.py", "stage11_worker.py"]  # the driver imports its workers
     assert names[12] == ["stage12_speculative.py", "stage12_rejection_sampler.py"]  # the engine, its proposer
     assert names[14] == ["stage14_disaggregated_prefill.py", "stage14_kv_connector.py"]  # the engine, its connector

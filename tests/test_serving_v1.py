@@ -1,4 +1,4 @@
-"""The server over stage 10's engine: the same text as its LLM.generate; what stage 10 refuses is a 400."""
+"""The server over stage 10's engine: the same text as its LLM.generate, n samples too; the default engine."""
 
 from functools import partial
 
@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers_serving import ThreadServer, sse_events
+from helpers_serving import ThreadServer
 
 import minipaged.serving.server
 from minipaged import LLM as _LLM
@@ -49,15 +49,19 @@ def test_completions_and_streams_equal_v1_generate(client):
         assert "".join(pieces) == want.text and len(pieces) > 1
 
 
-def test_n_above_one_is_a_400_and_the_server_keeps_serving(served, client):
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, n=2, seed=1)
-    response = httpx.post(f"{served.url}/v1/completions", json={
-        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "n": 2, "stream": True, "seed": 1})
-    assert response.status_code == 400
-    assert sse_events(response) == []
-    ok = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    assert ok.choices[0].finish_reason == "length"
+def test_n_samples_are_served_in_choices_streamed_or_not_as_generate_gives_them(served, client):
+    """V1 fans a request of n samples out in its front end: n choices, index by index what ``LLM.generate``
+    gives for the same seed, streamed or not."""
+    want = LLM("tiny", **ENGINE_ARGS).generate(PROMPTS[0], SamplingParams(n=3, max_tokens=4, seed=1),
+                                               use_tqdm=False)[0].outputs
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, n=3, seed=1)
+    assert sorted((c.index, c.text) for c in got.choices) == [(c.index, c.text) for c in want]
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, n=3, seed=1,
+                                           stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in want]
 
 
 def test_state_metrics_and_health_read_the_v1_engine(served, client):
@@ -72,8 +76,9 @@ class Built(Exception):
     """Stops serve() once it has built its engine."""
 
 
-@pytest.mark.parametrize(("argv", "v1"), [([], False), (["--scheduler", "v1"], True),
-                                          (["--scheduler", "v1", "--async-scheduling"], True)])
+@pytest.mark.parametrize(("argv", "v1"), [([], True), (["--scheduler", "v0"], False), (["--async-scheduling"], True),
+                                          (["--scheduler", "v1", "--async-scheduling"], True),
+                                          (["--preemption-mode", "swap"], False)])
 def test_serve_scheduler_option_picks_the_engine(monkeypatch, argv, v1):
     def build_app(llm, *args, **kwargs):
         raise Built(llm)

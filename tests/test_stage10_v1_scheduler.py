@@ -350,13 +350,12 @@ def test_a_running_request_reaches_the_runner_as_its_new_token_and_new_blocks_on
 
 
 def test_one_sequence_per_request_and_recompute_only():
+    """The scheduler holds requests of one sequence: n samples come to it as n requests (V1's front end)."""
     llm = LLM("tiny", num_gpu_blocks=16)
-    (served,) = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert len(served.outputs[0].token_ids) == 2
-    with pytest.raises(ValueError):
-        llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(n=2), use_tqdm=False)
-    with pytest.raises(ValueError):
-        llm.beam_search([{"prompt_token_ids": [1, 2]}])
+    widths, add = [], llm.scheduler.add
+    llm.scheduler.add = lambda request: (widths.append(len(request.seqs)), add(request))[1]
+    (served,) = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    assert [len(c.token_ids) for c in served.outputs] == [2, 2] and widths == [1, 1]
     with pytest.raises(ValueError):
         LLM("tiny", num_gpu_blocks=16, preemption_mode="swap")
     with pytest.raises(ValueError):

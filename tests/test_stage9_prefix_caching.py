@@ -171,6 +171,18 @@ def test_appending_several_slots_at_once_makes_the_prompts_blocks_findable_too()
     assert manager.allocate("b", [1, 1, 2, 2, 7]) == 4
 
 
+def test_a_block_becomes_findable_only_once_its_tokens_are_all_computed():
+    """V1 makes a block findable as soon as a step is scheduled to fill it: a half-computed block is not."""
+    manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(8), 2)
+    manager.allocate("a", [1, 1, 2, 2, 9])
+    manager.cache_computed_blocks("a", 3)  # block 0 is full; block 1 holds one computed token of two
+    assert manager.allocate("b", [1, 1, 2, 2, 7]) == 2
+    manager.cache_computed_blocks("a", 4)
+    assert manager.allocate("c", [1, 1, 2, 2, 7]) == 4
+    manager.cache_computed_blocks("a", 5)  # the last, partial block is never named
+    assert manager.allocate("d", [1, 1, 2, 2, 9, 3]) == 4
+
+
 def test_eviction_is_least_recently_used_and_last_blocks_first():
     manager = PrefixCachingBlockSpaceManager(PrefixCachingAllocator(5), 2)
     prompt = [1, 2, 3, 4, 5, 6, 7]

@@ -371,8 +371,8 @@ CATALOGUE: list[Mutant] = [
         "")),
     m(8, "beam candidates: only width of them", ("min(2 * width, rows.numel())", "min(width, rows.numel())")),
     m(8, "early_stopping True waits until no beam can improve", (
-        "done = not request.improvable or (len(request.hypotheses) == width and p.early_stopping is True)",
-        "done = not request.improvable")),
+        "done = not state.improvable or (len(state.hypotheses) == width and p.early_stopping is True)",
+        "done = not state.improvable")),
     m(8, "early_stopping 'never' divides by the current length", (
         'p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0',
         'generated if p.early_stopping == "never"')),
@@ -380,8 +380,11 @@ CATALOGUE: list[Mutant] = [
         'p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0',
         'p.max_tokens if p.early_stopping in (False, "never") and p.length_penalty > 0')),
     m(8, "length penalty on the length before the token", (
-        "request.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
-        "request.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
+        "state.hypotheses.append((value / generated**p.length_penalty, value, tokens))",
+        "state.hypotheses.append((value / max(generated - 1, 1)**p.length_penalty, value, tokens))")),
+    m(8, "the hypotheses are not sorted by score", (
+        "state.hypotheses = sorted(state.hypotheses, key=lambda h: -h[0])[:width]",
+        "state.hypotheses = state.hypotheses[:width]")),
     m(8, "an ending candidate past the width is kept", ("if ends and rank < width and heuristic_ok:",
                                                         "if ends and heuristic_ok:")),
     m(8, "a sample that stops early is forked again", (
@@ -416,6 +419,8 @@ CATALOGUE: list[Mutant] = [
     m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break",
                                            "            if block_id is None:\n                continue")),
     m(9, "hits are not counted", ("        self._stats.hits += 1\n", "")),
+    m(9, "a block named before it is full", ("full = min(num_tokens, len(tokens)) // size",
+                                             "full = -(-min(num_tokens, len(tokens)) // size)")),
     # stage 10: V1's scheduler
     m(10, "decodes are not charged to the budget", ("            budget -= n\n            i += 1",
                                                     "            budget -= n if n > 1 else 0\n            i += 1")),
@@ -461,6 +466,14 @@ CATALOGUE: list[Mutant] = [
     m(10, "the persistent batch writes new tokens at the computed count", (
         "t, b = self.num_tokens[row], self.num_blocks[row]",
         "t, b = self.num_computed_tokens[row], self.num_blocks[row]")),
+    m(10, "the children share one generator", (
+        "return dataclasses.replace(self.params, n=1, seed=None if self.seed is None else self.seed + index)",
+        "return dataclasses.replace(self.params, n=1, seed=self.seed)")),
+    m(10, "a parent answers before every child is done", (
+        "if not done and self.params.output_kind is RequestOutputKind.FINAL_ONLY:", "if False:")),
+    m(10, "a parent's completions in the order its children last answered", (
+        "else CompletionOutput(i, \"\", [], 0.0, None) for i in range(self.params.n)]",
+        "else CompletionOutput(i, \"\", [], 0.0, None) for i in reversed(range(self.params.n))]")),
     # stage 11: tensor parallelism
     m(11, "a worker copies blocks before it swaps in", (
         "        self.cache.swap_in(step.blocks_to_swap_in)\n        self.cache.copy_blocks(step.blocks_to_copy)\n",
