@@ -206,10 +206,11 @@ def test_swap_or_recompute():
 
 def test_sharing():
     saving = result("sharing")["saving"]
-    (table,) = english_tables()["sharing.py"]
-    for row, trace in zip(table, ("ShareGPT", "Alpaca"), strict=True):
-        for cell, kind in ((row[1], "parallel"), (row[3], "beam")):
-            assert cell == " / ".join(f"{100 * saving[f'{trace}/{kind}/{n}']:.1f}" for n in (2, 4, 6)) + "%"
+    table, v1 = english_tables()["sharing.py"]
+    for engine, rows, cells in (("", table, (1, 3)), ("V1/", v1, (1, 2))):
+        for row, trace in zip(rows, ("ShareGPT", "Alpaca"), strict=True):
+            for cell, kind in zip((row[i] for i in cells), ("parallel", "beam"), strict=True):
+                assert cell == " / ".join(f"{100 * saving[f'{engine}{trace}/{kind}/{n}']:.1f}" for n in (2, 4, 6)) + "%"
 
 
 def test_prefix_caching():
