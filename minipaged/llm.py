@@ -71,7 +71,7 @@ from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
 from minipaged.stage12_speculative import SpecDecoder, SpecInputBatch
 from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache, check_fp8_supported, fp8_attention
 from minipaged.stage14_disaggregated_prefill import ConnectorKVCacheManager, KVConnectorAttention, KVConnectorWorker
-from minipaged.stage14_kv_connector import KVConnectorRole, create_connector
+from minipaged.stage14_kv_connector import KVConnectorRole, create_connector, model_identity
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -199,7 +199,9 @@ class LLM:
         if self.spec_decoder is not None:
             input_batch = SpecInputBatch(c.max_num_seqs, c.max_model_len, -(-c.max_model_len // c.block_size))
         if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
-            connector = create_connector(c.kv_transfer_config, KVConnectorRole.WORKER, c.block_size)
+            weights = self.model.model if isinstance(self.model, CUDAGraphModel) else self.model
+            connector = create_connector(c.kv_transfer_config, KVConnectorRole.WORKER, c.block_size,
+                                         model_identity(weights))
             kv_connector = KVConnectorWorker(connector, self.cache)
             backend = KVConnectorAttention(backend, self.cache, connector)
         return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend,

@@ -32,7 +32,10 @@ from __future__ import annotations
 import abc
 import enum
 import hashlib
+import json
+import math
 import os
+import stat
 import uuid
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import safetensors
+import safetensors.torch
 import torch
 from safetensors.torch import save_file
 
@@ -92,8 +96,8 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
 class KVConnectorBase_V1(abc.ABC):  # noqa: N801 (vLLM's name)
     """vLLM's connector interface: one class, made twice, once for each role (scheduler, worker)."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> None:
-        self.config, self.role, self.block_size = config, role, block_size
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, model: str = "") -> None:
+        self.config, self.role, self.block_size, self.model = config, role, block_size, model
         self.metadata: KVConnectorMetadata | None = None
         self._stats = KVTransferStats()
 
@@ -155,24 +159,68 @@ def checksum(kv: torch.Tensor) -> str:
     return hashlib.sha256(kv.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def write_block(path: Path, kv: torch.Tensor) -> None:
-    """Save one block's K/V (on the host) with its checksum: to a fresh name, then renamed, so a reader
-    never sees half a file from this writer."""
+def model_identity(model: Any) -> str:
+    """A name for the weights whose K/V a file holds: SHA-256 over every parameter's name, shape, dtype and
+    first and last values (another model of the same shape has other weights, so another name)."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            ends = torch.cat([flat[:16], flat[-16:]]).to("cpu", torch.float64)
+            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode() + ends.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_block(path: Path, kv: torch.Tensor, block_hash: bytes = b"", model: str = "") -> None:
+    """Save one block's K/V (on the host) with its checksum, the block's hash and the model's identity: to a
+    fresh name, then renamed, so a reader never sees half a file from this writer."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    save_file({"kv": kv.contiguous()}, str(temporary), metadata={"sha256": checksum(kv)})
+    metadata = {"sha256": checksum(kv), "block_hash": block_hash.hex(), "model": model}
+    save_file({"kv": kv.contiguous()}, str(temporary), metadata=metadata)
     os.replace(temporary, path)
 
 
-def read_block(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """One block's K/V as ``write_block`` saved them; None if the file is missing, short, corrupt, or of
-    another shape or dtype."""
+def read_file_bytes(path: Path, limit: int) -> bytes | None:
+    """The bytes of a regular file of at most ``limit`` bytes, read once into memory; None for anything
+    else (missing, a FIFO, a device, a folder, a link, a larger file). The file is opened without
+    blocking and without following a link, and never mapped: a writer changing it later changes
+    nothing read."""
     try:
-        with safetensors.safe_open(str(path), "pt") as f:
-            expected, kv = (f.metadata() or {}).get("sha256"), f.get_tensor("kv")
-    except (OSError, KeyError, safetensors.SafetensorError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
         return None
-    if tuple(kv.shape) != shape or kv.dtype != dtype or checksum(kv) != expected:
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks) if size <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_block(path: Path, shape: tuple[int, ...], dtype: torch.dtype, block_hash: bytes = b"",
+               model: str = "") -> torch.Tensor | None:
+    """One block's K/V as ``write_block`` saved them; None if the file is not a regular file, is short,
+    corrupt, of another shape or dtype, or names another block or another model."""
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    data = read_file_bytes(path, expected + 64 * 1024)  # the tensor's bytes and a header
+    if data is None or len(data) < 8:
+        return None
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
+        kv = safetensors.torch.load(data)["kv"]
+    except (ValueError, KeyError, TypeError, AttributeError, safetensors.SafetensorError):
+        return None
+    if (tuple(kv.shape) != shape or kv.dtype != dtype or checksum(kv) != metadata.get("sha256")
+            or metadata.get("block_hash") != block_hash.hex() or metadata.get("model") != model):
         return None
     return kv
 
@@ -180,8 +228,8 @@ def read_block(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
 class SharedStorageConnector(KVConnectorBase_V1):
     """Blocks as files under ``shared_storage_path``, named by their prefix's hash."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> None:
-        super().__init__(config, role, block_size)
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, model: str = "") -> None:
+        super().__init__(config, role, block_size, model)
         self.path = Path(config.shared_storage_path)
         # scheduler side: per request (its sequence's id)
         self.hashes: dict[Hashable, list[bytes]] = {}  # the prompt's loadable blocks' hashes
@@ -218,10 +266,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Seq, block_ids: list[int], num_external_tokens: int) -> None:
         self.block_ids[request.seq_id] = list(block_ids)
         first, n = self.matched.pop(request.seq_id, (0, 0))
+        self.num_saved.pop(request.seq_id, None)  # admitted afresh: its blocks are saved as it computes them
         if num_external_tokens:
             hashes = self.prompt_hashes(request)
             self.to_load.append(ReqMeta(request.seq_id, block_ids[first:first + n], hashes[first:first + n], False))
             self._stats.num_external_tokens += num_external_tokens
+            self.num_saved[request.seq_id] = first + n  # what it loads is in the store already
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The loads found at admission; for a producer, each scheduled request's loadable blocks whose last
@@ -257,11 +307,21 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Also the step's blocks to save, as one index on the cache's device (built before the forward)."""
         super().bind_connector_metadata(metadata)
-        stores = [r for r in metadata.requests if r.is_store]
+        self.bind_stores([r for r in metadata.requests if r.is_store])
+        self.failed, self.pending = set(), []  # nothing of a step that an exception cut short
+
+    def bind_stores(self, stores: list[ReqMeta]) -> None:
         ids = [b for r in stores for b in r.block_ids]
         self.store_hashes = [h for r in stores for h in r.block_hashes]
         self.store_ids = to_device(np.array(ids, np.int64), self.kv_caches.key_cache[0].device) if ids else None
-        self.failed, self.pending = set(), []  # nothing of a step that an exception cut short
+
+    def drop_stores_of_failed_loads(self) -> None:
+        """A request a block of which failed to load computes this step on K/V that are not there: nothing of
+        it is saved this step (it is recomputed, and saved then)."""
+        assert self.metadata is not None
+        requests = self.metadata.requests
+        failed = {r.req_id for r in requests if not r.is_store and self.failed & set(r.block_ids)}
+        self.bind_stores([r for r in requests if r.is_store and r.req_id not in failed])
 
     def start_load_kv(self) -> None:
         """Read each block to load, check it, copy it into its block of every layer; a block that cannot
@@ -274,7 +334,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 continue
             # BEGIN SOLUTION read and check each file; copy the good blocks into their block ids, layer by layer
             for block_id, digest in zip(meta.block_ids, meta.block_hashes, strict=True):
-                kv = read_block(block_path(self.path, digest), shape, cache.key_cache[0].dtype)
+                kv = read_block(block_path(self.path, digest), shape, cache.key_cache[0].dtype, digest, self.model)
                 if kv is None:
                     self.failed.add(block_id)
                 else:
@@ -290,6 +350,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._stats.num_loaded_blocks += len(ids)
         self._stats.num_loaded_bytes += sum(kv.numel() * kv.element_size() for kv in blocks)
         self._stats.num_failed_blocks += len(self.failed)
+        if self.failed:
+            self.drop_stores_of_failed_loads()
 
     def save_kv_layer(self, layer: int, kv_layer: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any) -> None:
         """Gather this layer's blocks to save, on the device: no wait for the host inside the forward."""
@@ -310,7 +372,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # BEGIN SOLUTION one (blocks, layers, 2, ...) tensor on the host; a file per block
         kv = torch.stack([torch.stack(kv_layer, 1) for kv_layer in self.pending], 1).cpu()
         for i, digest in enumerate(self.store_hashes):
-            write_block(block_path(self.path, digest), kv[i])
+            write_block(block_path(self.path, digest), kv[i], digest, self.model)
         # END SOLUTION
         self._stats.num_saved_blocks += len(self.store_hashes)
         self._stats.num_saved_bytes += kv.numel() * kv.element_size()
@@ -323,6 +385,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
 KV_CONNECTORS: dict[str, type[KVConnectorBase_V1]] = {"SharedStorageConnector": SharedStorageConnector}
 
 
-def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> KVConnectorBase_V1:
-    """vLLM's ``KVConnectorFactory.create_connector``: the connector ``config.kv_connector`` names."""
-    return KV_CONNECTORS[config.kv_connector](config, role, block_size)
+def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int,
+                     model: str = "") -> KVConnectorBase_V1:
+    """vLLM's ``KVConnectorFactory.create_connector``: the connector ``config.kv_connector`` names; ``model``
+    names the weights whose K/V its worker side reads and writes (``model_identity``)."""
+    return KV_CONNECTORS[config.kv_connector](config, role, block_size, model)

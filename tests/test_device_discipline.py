@@ -381,7 +381,7 @@ def test_a_connectors_step_runs_on_cuda_up_to_the_saves_copy_to_the_host(tmp_pat
     from minipaged.stage6_swapping import SwapPagedKVCache
     from minipaged.stage10_model_runner import V1ModelRunner
     from minipaged.stage14_disaggregated_prefill import KVConnectorAttention, KVConnectorWorker
-    from minipaged.stage14_kv_connector import KVConnectorRole, create_connector
+    from minipaged.stage14_kv_connector import KVConnectorRole, create_connector, model_identity
 
     store = {"kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
     first = {"prompt_token_ids": list(range(60, 69))}
@@ -392,7 +392,7 @@ def test_a_connectors_step_runs_on_cuda_up_to_the_saves_copy_to_the_host(tmp_pat
     llm.engine.add_request(0, first, SamplingParams(max_tokens=2))  # loads 2 blocks
     llm.engine.add_request(1, {"prompt_token_ids": list(range(80, 89))}, SamplingParams(max_tokens=2))  # saves 2
     out = llm.scheduler.schedule()
-    connector = create_connector(llm.config.kv_transfer_config, KVConnectorRole.WORKER, 4)
+    connector = create_connector(llm.config.kv_transfer_config, KVConnectorRole.WORKER, 4, model_identity(llm.model))
     launches = Launches()
     monkeypatch.setattr(s5, "_prefill_kernel", launches.kernel("_prefill_kernel"))
     with fake_cuda():

@@ -2,18 +2,21 @@
 engine generates, token for token; the consumer computes only each prompt's last block; a block that
 cannot be loaded is recomputed, with the same output, and counted."""
 
+import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 from minipaged import LLM, SamplingParams
 from minipaged.models import load_config, resolve_model_path
 from minipaged.stage9_prefix_caching import ROOT, block_hash
-from minipaged.stage14_kv_connector import block_path, prompt_block_hashes, read_block
+from minipaged.stage14_kv_connector import block_path, prompt_block_hashes, read_block, write_block
 
 pytestmark = pytest.mark.stage14
 
@@ -118,18 +121,35 @@ def spoil(path: Path, how: str) -> None:
         path.write_bytes(bytes(data[:len(data) // 2]))
     elif how == "empty":
         path.write_bytes(b"")
-    else:  # another model's block: a sound file of another shape
-        from minipaged.stage14_kv_connector import write_block
+    elif how == "other-shape":  # another model's block: a sound file of another shape
         write_block(path, torch.zeros(1, 2, BLOCK, 1, 1))
+    elif how in ("other-model", "other-block"):  # sound files of this shape: another model's, another block's
+        kv = safetensors.torch.load(bytes(data))["kv"]
+        digest = bytes.fromhex(path.stem)
+        if how == "other-model":  # the same K/V written for other weights of the same shapes
+            write_block(path, kv, digest, "another model")
+        else:  # the next block's file (its K/V, its name) copied under this block's name
+            shutil.copyfile(next(p for p in path.parent.glob("*.safetensors") if p != path), path)
+    elif how == "fifo":  # opening it to read would wait for a writer, forever
+        path.unlink()
+        os.mkfifo(path)
+    else:  # a folder where the file was
+        path.unlink()
+        path.mkdir()
 
 
-@pytest.mark.parametrize("how", ["corrupt", "short", "empty", "other-shape"])
+@pytest.mark.parametrize("how", ["corrupt", "short", "empty", "other-shape", "other-model", "other-block", "fifo",
+                                 "folder"])
 def test_a_block_that_cannot_be_loaded_is_recomputed_with_the_same_output(tmp_path, how):
     prompts = [ids(range(300, 318)), ids(range(400, 410))]
     tokens(role(tmp_path, "kv_producer"), prompts, PREFILL)
     spoil(block_path(tmp_path, prompt_block_hashes(prompts[0]["prompt_token_ids"], BLOCK)[1]), how)
     consumer = role(tmp_path, "kv_consumer", enable_prefix_caching=False)
-    assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    signal.alarm(60)  # a consumer that waits on a FIFO fails here instead of hanging
+    try:
+        assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+    finally:
+        signal.alarm(0)
     stats = consumer.stats
     assert stats.kv_transfer.num_failed_blocks == 1
     assert stats.kv_transfer.num_recomputed_tokens == loadable_tokens(prompts[0])  # all it had been given
@@ -225,6 +245,57 @@ def test_blocks_no_layer_handed_over_are_gathered_after_the_forward(tmp_path):
     assert consumer.stats.kv_transfer.num_loaded_blocks == 3
 
 
+def test_a_block_read_is_a_copy_that_a_writer_changing_the_file_afterwards_cannot_reach(tmp_path):
+    """The file is read into memory once, never mapped: rewritten in place or truncated after the read (as
+    `cp` or a crash would), the K/V read stay what was read, and nothing faults."""
+    kv = torch.arange(2 * 2 * BLOCK * 2 * 3, dtype=torch.float32).reshape(2, 2, BLOCK, 2, 3)
+    path, digest = tmp_path / "b.safetensors", b"\x01" * 32
+    write_block(path, kv, digest, "m")
+    read = read_block(path, tuple(kv.shape), torch.float32, digest, "m")
+    with path.open("r+b") as f:  # in place: the same inode
+        f.write(b"\x00" * 64)
+        f.truncate(100)
+    assert torch.equal(read, kv)
+    assert read_block(path, tuple(kv.shape), torch.float32, digest, "m") is None
+
+
+def test_a_file_checked_is_a_file_of_this_block_of_this_model(tmp_path):
+    kv, path = torch.ones(1, 2, BLOCK, 1, 2), tmp_path / "b.safetensors"
+    write_block(path, kv, b"\x02" * 32, "m")
+    assert read_block(path, tuple(kv.shape), torch.float32, b"\x02" * 32, "m") is not None
+    assert read_block(path, tuple(kv.shape), torch.float32, b"\x03" * 32, "m") is None
+    assert read_block(path, tuple(kv.shape), torch.float32, b"\x02" * 32, "n") is None
+
+
+def test_kv_both_never_saves_a_block_it_failed_to_load_nor_what_it_computed_on_it(tmp_path):
+    """A kv_both engine whose load fails computes that step on K/V that are not there: it saves nothing of
+    that request then (neither the block that failed nor the blocks computed after it), and saves its
+    blocks once recomputed; a later consumer loads them all and equals one engine."""
+    short, prompt = ids(range(700, 709)), ids(list(range(700, 708)) + list(range(800, 809)))  # 2 blocks shared
+    tokens(role(tmp_path, "kv_producer"), [short], PREFILL)  # saves 2 blocks
+    hashes = prompt_block_hashes(prompt["prompt_token_ids"], BLOCK)  # 4 blocks travel
+    spoil(block_path(tmp_path, hashes[1]), "corrupt")
+    both = role(tmp_path, "kv_both")
+    both.engine.add_request("r", prompt, GREEDY)
+    both.engine.step()  # loads block 0, fails block 1, and computes blocks 2 and 3 on them
+    assert both.stats.kv_transfer.num_failed_blocks == 1
+    shape, model = (4, 2, BLOCK, 2, 32), model_of(both)
+    assert read_block(block_path(tmp_path, hashes[1]), shape, torch.float32, hashes[1], model) is None  # as it was
+    assert not any(block_path(tmp_path, digest).exists() for digest in hashes[2:])
+    while both.engine.has_unfinished_requests():  # recomputed, and saved then
+        both.engine.step()
+    expected = tokens(LLM("tiny", **SIZES), [prompt])
+    consumer = role(tmp_path, "kv_consumer")
+    assert tokens(consumer, [prompt]) == expected
+    stats = consumer.stats.kv_transfer
+    assert stats.num_failed_blocks == 0 and stats.num_loaded_blocks == len(hashes)
+
+
+def model_of(llm):
+    """The identity of the weights an engine's connector reads and writes K/V for."""
+    return llm.engine.runner.kv_connector.connector.model
+
+
 def test_the_bytes_moved_are_layers_x_2_x_tokens_x_kv_heads_x_head_dim_x_dtype_bytes(tmp_path):
     prompts = [ids(range(900, 921))]
     mc = load_config(resolve_model_path("tiny"))
@@ -233,8 +304,9 @@ def test_the_bytes_moved_are_layers_x_2_x_tokens_x_kv_heads_x_head_dim_x_dtype_b
         _, consumer = disaggregated(folder, prompts, {"dtype": dtype}, {"dtype": dtype}, PREFILL)
         moved = mc.num_layers * 2 * loadable_tokens(prompts[0]) * mc.num_kv_heads * mc.head_dim * size
         assert consumer.stats.kv_transfer.num_loaded_bytes == moved
-        block = read_block(next(folder.iterdir()), (mc.num_layers, 2, BLOCK, mc.num_kv_heads, mc.head_dim),
-                           consumer.cache.key_cache[0].dtype)
+        path = next(folder.iterdir())
+        block = read_block(path, (mc.num_layers, 2, BLOCK, mc.num_kv_heads, mc.head_dim),
+                           consumer.cache.key_cache[0].dtype, bytes.fromhex(path.stem), model_of(consumer))
         assert block is not None and block.numel() * block.element_size() == moved // 5
 
 
@@ -247,7 +319,7 @@ def test_the_loaded_blocks_hold_the_producers_k_and_v(tmp_path):
     consumer.engine.step()
     table = consumer.scheduler.block_manager.get_block_table(request.seqs[0].seq_id)
     for i, digest in enumerate(prompt_block_hashes(prompt["prompt_token_ids"], BLOCK)):
-        kv = read_block(block_path(tmp_path, digest), (4, 2, BLOCK, 2, 32), torch.float32)
+        kv = read_block(block_path(tmp_path, digest), (4, 2, BLOCK, 2, 32), torch.float32, digest, model_of(consumer))
         for layer in range(4):
             assert torch.equal(consumer.cache.key_cache[layer][table[i]], kv[layer, 0])
             assert torch.equal(consumer.cache.value_cache[layer][table[i]], kv[layer, 1])

@@ -575,8 +575,9 @@ CATALOGUE: list[Mutant] = [
                                                   "zip(meta.block_ids[::-1], meta.block_hashes, strict=True)")),
     m(14, "a block that failed to load treated as loaded", ("                    self.failed.add(block_id)\n",
                                                              "                    continue\n")),
-    m(14, "every saved file holds the step's first block", ("write_block(block_path(self.path, digest), kv[i])",
-                                                        "write_block(block_path(self.path, digest), kv[0])")),
+    m(14, "every saved file holds the step's first block", (
+        "write_block(block_path(self.path, digest), kv[i], digest, self.model)",
+        "write_block(block_path(self.path, digest), kv[0], digest, self.model)")),
     m(14, "the saves written before the forward", (
         "            yield failed_req_ids\n            connector.wait_for_save()\n",
         "            connector.wait_for_save()\n            yield failed_req_ids\n")),
