@@ -8,9 +8,10 @@ waiting. NanoFlow (Zhu et al., 2024) and vLLM V1's ``--async-scheduling`` overla
 1. **Schedule N + 1** while N runs on the device. A request that N samples is scheduled again
    with a **placeholder** for the token not sampled yet (``AsyncScheduler.num_new_tokens``): its
    slot and blocks are allocated, its id unknown to the host. Not scheduled yet: a request whose
-   token is its last (it ends, whatever the token), its first since admission (stage 9 makes the
-   prompt's blocks findable at its first decode; step N must have written them first), or one
-   whose sampling reads its own tokens on the host (``min_tokens``, penalties).
+   token is its last (it ends, whatever the token), its first since admission (blocks that a KV
+   connector loaded become findable at a request's first decode, and only once the step that
+   loaded them is known not to have failed), or one whose sampling reads its own tokens on the
+   host (``min_tokens``, penalties).
 2. **Launch N + 1.** Its placeholders take N's sampled tokens on the device
    (``V1ModelRunner.prepare_input_ids``, vLLM's ``prev_sampled_token_ids``): nothing waits for N.
 3. **Read N**: its tokens come to the host (the one wait for the device, for N's work alone),
@@ -54,8 +55,9 @@ class AsyncScheduler(V1Scheduler):
         """V1's count; a request whose tokens are all computed (the step in flight samples its next)
         gets one placeholder for that token (the runner takes its id on the device, from the step
         before), unless it is the request's last (``max_tokens``, ``max_model_len``) or its first
-        since it was admitted: its first decode makes its prompt's blocks findable (stage 9), and
-        they must not be before the step in flight has surely written their K/V. A request whose
+        since it was admitted: its first decode makes findable the prompt blocks a KV connector
+        loaded (stage 14), and they must not be before the step in flight, which loaded them, is
+        known not to have failed. A request whose
         sampling reads its own tokens on the host (``min_tokens``, a penalty) gets none either: its
         last token is not there before the step in flight is read."""
         seq = request.seqs[0]

@@ -1,6 +1,9 @@
 """Stage 10, V1's front end: a request of n samples fans out into n requests of one, beam search runs as
 one-token requests; their common blocks shared through the prefix cache, within a step too."""
 
+from functools import cache
+from pathlib import Path
+
 import pytest
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
@@ -10,6 +13,7 @@ from minipaged.stage10_front_end import ChildRequestId, ParentRequest
 
 pytestmark = pytest.mark.stage10
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 PROMPT = {"prompt_token_ids": [(7 * i) % 1500 + 3 for i in range(64)]}  # 4 blocks of 16
 
 
@@ -46,20 +50,35 @@ def test_an_unseeded_request_draws_one_seed_for_all_its_children():
     assert not engine.requests and not engine.parents
 
 
+@cache
+def peak_blocks() -> tuple[int, int, int, int]:
+    """n=4 over the 64-token prompt, 8 new tokens each: the peak blocks under V1, V1 without prefix caching and
+    V0 (stage 8's forks), and V1's prefix-cache hits."""
+    params = SamplingParams(n=4, max_tokens=8, temperature=0.0, ignore_eos=True)
+    llms = [LLM("tiny", block_size=16, num_gpu_blocks=64, **kwargs)
+            for kwargs in ({}, {"enable_prefix_caching": False}, {"scheduler": "v0"})]
+    for llm in llms:
+        llm.generate([PROMPT], params, use_tqdm=False)
+    return (*(llm.stats.peak_blocks_used for llm in llms), llms[0].stats.prefix_cache_hits)
+
+
 def test_four_samples_share_their_prompts_blocks_within_the_step():
     """By vLLM's rule a hit stops before the last prompt token's block: the first child holds its 4 prompt
     blocks and 1 for its tokens, each other child its own 4th block and 1 for its tokens: 11 at the peak.
     V0's copy-on-write holds 8; with nothing shared it is 20."""
-    params = SamplingParams(n=4, max_tokens=8, temperature=0.0, ignore_eos=True)
-    shared = LLM("tiny", block_size=16, num_gpu_blocks=64)
-    shared.generate([PROMPT], params, use_tqdm=False)
-    assert shared.stats.peak_blocks_used == 11 and shared.stats.prefix_cache_hits == 3 * 3
-    alone = LLM("tiny", block_size=16, num_gpu_blocks=64, enable_prefix_caching=False)
-    alone.generate([PROMPT], params, use_tqdm=False)
-    assert alone.stats.peak_blocks_used == 20
-    cow = LLM("tiny", scheduler="v0", block_size=16, num_gpu_blocks=64)
-    cow.generate([PROMPT], params, use_tqdm=False)
-    assert cow.stats.peak_blocks_used == 8
+    assert peak_blocks() == (11, 20, 8, 3 * 3)
+
+
+def test_the_stage_pages_give_the_peaks_computed_here():
+    v1, off, v0, _ = peak_blocks()
+    for page, header in (("10_v1_scheduler.md", "| | peak blocks |"), ("10_v1_scheduler.zh.md", "| | 块占用峰值 |")):
+        text = (DOCS / "stages" / page).read_text()
+        rows = text[text.index(header):].split("\n")[2:5]
+        assert [int(row.rsplit("|", 2)[1]) for row in rows] == [v1, off, v0], page
+    assert (f"{v1} blocks at the peak under V1, {off} with prefix caching off, {v0} under V0's forks"
+            in " ".join((DOCS / "stages" / "9_prefix_caching.md").read_text().split()))
+    assert (f"V1 下块占用峰值 {v1} 块，关掉前缀缓存 {off} 块，V0 的 fork 下 {v0} 块"
+            in (DOCS / "stages" / "9_prefix_caching.zh.md").read_text().replace("\n", ""))
 
 
 def test_four_identical_prompts_sent_together_share_as_four_samples_do():
