@@ -324,15 +324,20 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.bind_stores([r for r in requests if r.is_store and r.req_id not in failed])
 
     def start_load_kv(self) -> None:
-        """Read each block to load, check it, copy it into its block of every layer; a block that cannot
-        be read is named in ``get_block_ids_with_load_errors`` and nothing of it is copied."""
+        """Read each block to load (the metadata's requests that are not ``is_store``), check it, copy it into
+        its block of every layer; a block that cannot be read is named in ``get_block_ids_with_load_errors``
+        and nothing of it is copied. ``read_block`` checks a file against the cache's stored dtype: its
+        tensors' (``cache.key_cache[0].dtype``), which over stage 13's FP8 cache is ``float8_e4m3fn``, not
+        the model's dtype (``cache.dtype``). The good blocks go in with one indexed assignment per layer and
+        cache (``cache.key_cache[layer][index] = ...``): CPU torch has no ``index_copy_`` for e4m3. Leave
+        the ids of the blocks loaded in ``ids`` and their tensors in ``blocks`` (the counts after use them)."""
         assert self.metadata is not None
         cache, shape = self.kv_caches, self.block_shape()
         ids, blocks = [], []
+        # BEGIN SOLUTION read and check each file; copy the good blocks into their block ids, layer by layer
         for meta in self.metadata.requests:
             if meta.is_store:
                 continue
-            # BEGIN SOLUTION read and check each file; copy the good blocks into their block ids, layer by layer
             for block_id, digest in zip(meta.block_ids, meta.block_hashes, strict=True):
                 kv = read_block(block_path(self.path, digest), shape, cache.key_cache[0].dtype, digest, self.model)
                 if kv is None:
