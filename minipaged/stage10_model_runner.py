@@ -152,10 +152,16 @@ class V1ModelRunner:
     def forward(self, out: SchedulerOutput) -> tuple[list[Hashable], torch.Tensor]:
         """One forward pass: the ids of the requests that sample, and their ``(n, vocab)`` float32 logits.
 
-        A request samples when its tokens are all computed after this step; a request whose
-        prompt is not finished yet produces no logits. After those rows come the prompt
-        positions of the requests that ask for ``prompt_logprobs``, then the rows a spec decoder
-        asks for (``extra_logits_indices``).
+        A request samples when its tokens are all computed after this step (a placeholder, past the
+        row's known tokens, counts: async scheduling); a request whose prompt is not finished yet
+        produces no logits. After those rows come the prompt positions of the requests that ask for
+        ``prompt_logprobs``, then the rows a spec decoder asks for (``extra_logits_indices``).
+
+        The step's attention metadata is built once, on the host, with stage 7's
+        ``build_attention_metadata`` (its longest query and sequence come from the host arrays, so no
+        layer reads them back from the device); the input ids go through ``prepare_input_ids`` (a
+        placeholder's token is taken on the device); each row's ``num_computed_tokens`` becomes its
+        context after the step.
         """
         batch, size, num_reqs = self.input_batch, self.block_size, len(out.num_scheduled_tokens)
         for req_id in out.finished_req_ids + out.preempted_req_ids:

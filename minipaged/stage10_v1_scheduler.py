@@ -181,7 +181,8 @@ class V1Scheduler:
         """Decide the next step; the rules, each checked by a test of its own:
 
         1. Running requests, oldest first, while budget is left: each gets
-           ``n = min(len(seq) - num_computed_tokens, budget left)`` tokens, if ``allocate_slots``
+           ``n = num_new_tokens(request, budget left)`` tokens (a request given 0 — with async scheduling,
+           its next token is not sampled yet — is skipped, not scheduled), if ``allocate_slots``
            finds room for them; if not, preempt the newest running request (the last of
            ``running``), possibly the one asking (then stop), and try again. Every scheduled
            token — decodes too — comes off the budget.
@@ -194,7 +195,9 @@ class V1Scheduler:
 
         At the end every scheduled request's ``num_computed_tokens`` grows by its ``n`` (V1 counts
         them computed as soon as they are scheduled). New requests go to the runner whole
-        (``NewRequestData``), running ones as differences (``CachedRequestData``).
+        (``NewRequestData``), running ones as differences (``CachedRequestData``), each message made
+        just before ``add_to_step`` records its request: that also makes the full blocks its ``n``
+        tokens complete findable, at once, for the requests scheduled after it in the same step.
         """
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
