@@ -122,8 +122,10 @@ def decode_attention_batched(
 
     query: ``(num_seqs, num_heads, head_dim)``, one query per sequence; returns the same shape.
     The same gather as ``gather_kv``, done for all sequences in one indexing operation;
-    positions past a sequence's length are masked out, and the table entries past its
-    blocks are never read (they may hold any value, even an id outside the cache). Query
+    positions past a sequence's length are masked out, their K/V zeroed (a reused block may hold
+    anything there, NaN too, which a mask alone would carry through: 0 * NaN), and the table
+    entries past its blocks are never read (they may hold any value, even an id outside the
+    cache). Query
     head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to
     ``1 / sqrt(head_dim)``. It equals stage 0's ``dense_attention`` on each sequence's K/V.
     ``max_seq_len``, the longest ``seq_len``, is the engine's host copy: without it, it is read
@@ -139,8 +141,9 @@ def decode_attention_batched(
     ids = block_tables[:, :width].long()
     ids = torch.where(in_use[:, ::block_size], ids, 0)  # entries past a sequence are never trusted
     shape = (num_seqs, width * block_size, num_kv_heads, head_dim)
-    keys = key_cache.index_select(0, ids.flatten()).view(shape)  # key_cache[ids], but faster on CPU
-    values = value_cache.index_select(0, ids.flatten()).view(shape)
+    outside = ~in_use[:, :, None, None]  # slots past a sequence may hold anything, NaN too: zeroed, as vLLM does
+    keys = key_cache.index_select(0, ids.flatten()).view(shape).masked_fill(outside, 0)  # key_cache[ids], faster
+    values = value_cache.index_select(0, ids.flatten()).view(shape).masked_fill(outside, 0)
     q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a KV head's
     out = F.scaled_dot_product_attention(  # query heads attend as its rows: (seqs, kv_heads, group, dim)
         q, keys.float().transpose(1, 2), values.float().transpose(1, 2),

@@ -143,6 +143,27 @@ def test_batched_decode_alone_equals_dense_attention_and_never_reads_past_a_sequ
                                    **tolerances.attention(query, key_cache, value_cache, int(seq_lens.max())))
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["decode", "varlen"])
+def test_nan_left_in_a_reused_block_past_a_sequence_never_reaches_the_output(varlen):
+    """A block reused after another sequence may hold anything past this one's end, NaN too."""
+    lengths = [5, 13, 1, 7]
+    key_cache, value_cache, tables, seq_lens, kv = paged_case(lengths)
+    for i, n in enumerate(lengths):  # every slot past each sequence's end, in its last block
+        last, used = int(tables[i, (n - 1) // 4]), n % 4
+        if used:
+            key_cache[last, used:] = float("nan")
+            value_cache[last, used:] = float("nan")
+    query = torch.randn(4, 6, 16)
+    query_start_loc = torch.arange(5, dtype=torch.int32) if varlen else None
+    out = paged_attention_ref(query, key_cache, value_cache, tables, seq_lens, query_start_loc=query_start_loc)
+    assert torch.isfinite(out).all()
+    clean = [(k.nan_to_num(), v.nan_to_num()) for k, v in kv]  # the slots in use hold no NaN
+    for i, (k, v) in enumerate(clean):
+        torch.testing.assert_close(out[i : i + 1], dense_attention(query[i : i + 1], k, v),
+                                   **tolerances.attention(query, key_cache.nan_to_num(), value_cache.nan_to_num(),
+                                                          int(seq_lens.max())))
+
+
 @pytest.mark.parametrize("path", ["decode", "batched-decode", "varlen-single", "varlen-multi"])
 def test_a_custom_scale_is_used_on_every_path(path):
     key_cache, value_cache, tables, seq_lens, kv = paged_case([6, 11, 9])
