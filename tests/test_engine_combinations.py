@@ -111,6 +111,7 @@ REFUSED = [  # configurations that break the table's rules, every rule by at lea
     dict(scheduler="v0", speculative_config=NGRAM),
     dict(async_scheduling=True, speculative_config=NGRAM),
     dict(stage=12, kv_cache_dtype="fp8"),
+    dict(attention_backend="triton", dtype="bfloat16"),
     dict(calculate_kv_scales=True),
     dict(kv_cache_dtype="fp8", calculate_kv_scales=True, device="cuda", attention_backend="triton"),
     dict(stage=13, kv_transfer_config=CONNECTOR),

@@ -280,6 +280,10 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.async_scheduling and c.speculative_config is not None,
      "vLLM serves async scheduling with EAGLE and MTP drafts only, not n-gram ones (vllm/config/vllm.py): "
      "async_scheduling with speculative_config"),
+    (lambda c: torch.device(c.device).type == "cpu" and c.attention_backend == "triton"
+     and c.torch_dtype == torch.bfloat16,
+     "on a CPU the Triton kernels run in Triton's interpreter, whose tl.dot multiplies bfloat16 bit patterns "
+     "as integers (triton-lang/triton#11584): attention_backend='triton' with dtype='bfloat16' needs CUDA"),
     (lambda c: c.calculate_kv_scales and c.uses_cuda_graphs,
      "the graphs are captured before the first batch sets the scales: calculate_kv_scales needs enforce_eager=True"),
 ]
