@@ -141,9 +141,9 @@ def decode_attention_batched(
     ids = block_tables[:, :width].long()
     ids = torch.where(in_use[:, ::block_size], ids, 0)  # entries past a sequence are never trusted
     shape = (num_seqs, width * block_size, num_kv_heads, head_dim)
-    outside = ~in_use[:, :, None, None]  # slots past a sequence may hold anything, NaN too: zeroed, as vLLM does
-    keys = key_cache.index_select(0, ids.flatten()).view(shape).masked_fill(outside, 0)  # key_cache[ids], faster
-    values = value_cache.index_select(0, ids.flatten()).view(shape).masked_fill(outside, 0)
+    inside = in_use.view(num_seqs, -1, 1, 1)  # slots past a sequence may hold anything, NaN too: zeroed, as vLLM
+    keys = torch.where(inside, key_cache.index_select(0, ids.flatten()).view(shape), 0)  # key_cache[ids], faster
+    values = torch.where(inside, value_cache.index_select(0, ids.flatten()).view(shape), 0)
     q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a KV head's
     out = F.scaled_dot_product_attention(  # query heads attend as its rows: (seqs, kv_heads, group, dim)
         q, keys.float().transpose(1, 2), values.float().transpose(1, 2),

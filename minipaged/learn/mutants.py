@@ -216,7 +216,7 @@ CATALOGUE: list[Mutant] = [
     m(4, "single queries keep the wrong tables", ("block_tables[picked],\n", "block_tables[: len(single)],\n")),
     m(4, "trusts table entries past a sequence", ("ids = torch.where(in_use[:, ::block_size], ids, 0)", "ids = ids")),
     m(4, "the slots past a sequence are masked, not zeroed", (
-        "values = value_cache.index_select(0, ids.flatten()).view(shape).masked_fill(outside, 0)",
+        "values = torch.where(inside, value_cache.index_select(0, ids.flatten()).view(shape), 0)",
         "values = value_cache.index_select(0, ids.flatten()).view(shape)")),
     # stage 5: the Triton kernels
     m(5, "a tile is not widened to the query's dtype", (
