@@ -303,7 +303,7 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--kv-transfer-config", type=json.loads, metavar="JSON",
                    help='disaggregated prefill, vLLM\'s kv_transfer_config, e.g. \'{"kv_connector": '
                         '"SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config": '
-                        '{"shared_storage_path": "local_storage"}}\' (stage 14)')
+                        '{"shared_storage_path": "kv_store"}}\' (stage 14)')
     p.set_defaults(run=_serve)
 
 

@@ -9,10 +9,11 @@ from minipaged.common.stats import KVTransferStats
 pytestmark = pytest.mark.common
 
 
-def test_a_dict_becomes_the_config_with_vllms_defaults():
+def test_a_dict_becomes_the_config_with_its_defaults():
+    """The folder is vLLM's default; the connector and the role are minipaged's (vLLM's are None)."""
     config = EngineConfig(kv_transfer_config={"kv_role": "kv_consumer"}).kv_transfer_config
     assert config == KVTransferConfig("SharedStorageConnector", "kv_consumer", {})
-    assert config.shared_storage_path == "local_storage"  # vLLM's default folder
+    assert config.shared_storage_path == "/tmp"  # vLLM's SharedStorageConnector's default folder
     assert (config.is_kv_producer, config.is_kv_consumer) == (False, True)
     assert (KVTransferConfig(kv_role="kv_producer").is_kv_producer, KVTransferConfig().is_kv_consumer) == (True, True)
 

@@ -76,7 +76,9 @@ class SpeculativeConfig:
 class KVTransferConfig:
     """vLLM's ``kv_transfer_config``: which KV connector moves blocks between engines, and this engine's
     role (stage 14). ``kv_connector_extra_config`` takes ``shared_storage_path``, the folder of the
-    blocks (vLLM's default ``"local_storage"``)."""
+    blocks (``"/tmp"`` by default, as vLLM's ``SharedStorageConnector`` reads it). vLLM defaults
+    ``kv_connector`` and ``kv_role`` to None, and asks for a role with a connector; minipaged, which
+    builds one connector, defaults to it, and to the role that both loads and saves."""
 
     kv_connector: str = "SharedStorageConnector"
     kv_role: str = "kv_both"
@@ -93,7 +95,7 @@ class KVTransferConfig:
 
     @property
     def shared_storage_path(self) -> str:
-        return os.fspath(self.kv_connector_extra_config.get("shared_storage_path", "local_storage"))
+        return os.fspath(self.kv_connector_extra_config.get("shared_storage_path", "/tmp"))
 
     @property
     def is_kv_producer(self) -> bool:
