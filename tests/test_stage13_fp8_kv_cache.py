@@ -347,3 +347,67 @@ def test_on_the_gpu_values_past_448_saturate_and_come_back_within_the_bound():
     assert quantize_fp8(x, 1.0).float().tolist() == [0.375, -3.0, FP8_MAX, -FP8_MAX, FP8_MAX]
     y = torch.randn(10_000, device="cuda") * 3
     assert ((dequantize_fp8(quantize_fp8(y, 0.02), 0.02) - y).abs() <= fp8_rounding_bound(y, 0.02) * (1 + 2**-20)).all()
+
+
+# -- the rules a correct result alone does not show ------------------------------------------------------------------
+
+def test_a_half_precision_value_is_quantised_from_float32_rounded_once():
+    """Divided in bf16 or fp16, a value is rounded twice (to its own dtype, then to e4m3): other codes."""
+    gen = torch.Generator().manual_seed(13)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(100_000, generator=gen) * 40).to(dtype)
+        once = quantize_fp8(x.float(), 0.37)
+        assert torch.equal(quantize_fp8(x, 0.37).view(torch.uint8), once.view(torch.uint8)), dtype
+
+
+def test_the_cache_write_passes_checked_on_so_that_a_checked_slot_mapping_is_not_read_again(monkeypatch):
+    seen = []
+    original = SwapPagedKVCache.write
+
+    def spy(self, layer, slot_mapping, key, value, *, checked=False):
+        seen.append(checked)
+        return original(self, layer, slot_mapping, key, value, checked=checked)
+
+    monkeypatch.setattr(SwapPagedKVCache, "write", spy)
+    cache = FP8PagedKVCache(1, 4, 2, 1, 4)
+    kv = torch.ones(2, 1, 4)
+    cache.write(0, torch.tensor([0, 1]), kv, kv, checked=True)
+    cache.write(0, torch.tensor([2, 3]), kv, kv)
+    assert seen == [True, False]
+
+
+def test_only_the_blocks_a_batch_reads_are_dequantised(monkeypatch):
+    """The work grows with the batch, not with the cache: 2 sequences of one block each in a 4,096-block cache."""
+    import minipaged.stage13_fp8_kv_cache as s13
+
+    sizes, original = [], s13.dequantize_fp8
+    monkeypatch.setattr(s13, "dequantize_fp8", lambda x, *a, **k: (sizes.append(x.shape[0]), original(x, *a, **k))[1])
+    cache = torch.zeros(4096, 4, 1, 8, dtype=FP8_DTYPE)
+    tables = torch.tensor([[7], [4000]], dtype=torch.int32)
+    dequantized_blocks(cache, cache, tables, torch.tensor([3, 4], dtype=torch.int32), 1.0, 1.0)
+    assert sizes == [2, 2]  # keys, then values: the two blocks read
+
+
+def test_the_table_entry_after_an_exactly_full_last_block_is_never_read():
+    cache = torch.zeros(4, 4, 1, 8, dtype=FP8_DTYPE)
+    tables = torch.tensor([[2, 99], [1, 3]], dtype=torch.int32)  # 99: no such block
+    keys, _, _ = dequantized_blocks(cache, cache, tables, torch.tensor([4, 5], dtype=torch.int32), 1.0, 1.0)
+    assert keys.shape[0] == 4
+
+
+def test_the_triton_path_hands_stage_5_the_e4m3_cache_the_version_and_the_hosts_lengths(monkeypatch):
+    """The kernels read e4m3 bytes (not a cache widened first), run the version asked for, and take the
+    engine's host lengths (without them, stage 5 reads the longest query back from the device)."""
+    import minipaged.stage5_triton_attention as s5
+
+    calls = []
+    monkeypatch.setattr(s5, "paged_attention_triton",
+                        lambda q, k, v, *args, **kwargs: (calls.append((k.dtype, v.dtype, kwargs)), q.clone())[1])
+    cache = torch.zeros(4, 4, 1, 8, dtype=FP8_DTYPE)
+    query = torch.randn(2, 2, 8)
+    paged_attention_fp8_triton(query, cache, cache, torch.tensor([[0], [1]], dtype=torch.int32),
+                               torch.tensor([3, 4], dtype=torch.int32), version="v2", max_query_len=1,
+                               max_seq_len=4)
+    ((k_dtype, v_dtype, kwargs),) = calls
+    assert k_dtype == v_dtype == FP8_DTYPE
+    assert kwargs["version"] == "v2" and (kwargs["max_query_len"], kwargs["max_seq_len"]) == (1, 4)

@@ -554,6 +554,23 @@ CATALOGUE: list[Mutant] = [
     m(13, "the scales folded the wrong way round", ("block_tables, seq_lens, scale * k_scale,",
                                                     "block_tables, seq_lens, scale * v_scale,"),
       ("    return out * v_scale\n", "    return out * k_scale\n")),
+    m(13, "a half-precision value divided in its own dtype", ("return (x.float() / scale).clamp(",
+                                                               "return (x / scale).float().clamp(")),
+    m(13, "the write does not pass checked on", ("quantize_fp8(value, self.v_scale[layer]), checked=checked)",
+                                                 "quantize_fp8(value, self.v_scale[layer]))")),
+    m(13, "the table entry at seq_len counted in use", ("in_use = starts[None, :] < seq_lens[:, None]",
+                                                        "in_use = starts[None, :] <= seq_lens[:, None]")),
+    m(13, "the whole cache dequantised, then the blocks picked", (
+        "keys = dequantize_fp8(key_cache.index_select(0, ids), k_scale)",
+        "keys = dequantize_fp8(key_cache, k_scale).index_select(0, ids)")),
+    m(13, "the kernel version asked for not passed on", ("query_start_loc, version=version, validate=False, **lengths)",
+                                                         "query_start_loc, validate=False, **lengths)")),
+    m(13, "the host's lengths not passed on", ("query_start_loc, version=version, validate=False, **lengths)",
+                                               "query_start_loc, version=version, validate=False)")),
+    m(13, "the cache widened before the kernels", (
+        "out = paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, scale * k_scale,",
+        "out = paged_attention_triton(query, key_cache.to(query.dtype), value_cache.to(query.dtype), block_tables,"
+        " seq_lens, scale * k_scale,")),
     # stage 14: disaggregated prefill through a KV connector
     m(14, "a block's name not chained on its parent's", (
         "        digest = block_hash(digest, token_ids[start:start + block_size])",
