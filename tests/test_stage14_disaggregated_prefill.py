@@ -313,6 +313,35 @@ def test_kv_both_loads_what_is_stored_and_saves_what_it_computes(tmp_path):
     assert second.stats.kv_transfer.num_external_tokens == sum(loadable_tokens(p) for p in prompts)
 
 
+def test_a_producer_saves_each_block_once_however_many_steps_its_request_runs(tmp_path):
+    prompt = ids(range(1200, 1217))  # 4 blocks travel
+    producer = role(tmp_path, "kv_producer")
+    tokens(producer, [prompt], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))  # 9 steps
+    assert producer.stats.kv_transfer.num_saved_blocks == 4
+
+
+def test_a_producer_saves_the_blocks_of_a_request_that_asks_for_prompt_logprobs(tmp_path):
+    """Such a request asks the connector for nothing (it reads no cached K/V); the connector still hears of
+    its blocks, and saves them."""
+    prompt = ids(range(1300, 1313))  # 3 blocks travel
+    producer = role(tmp_path, "kv_producer")
+    producer.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert producer.stats.kv_transfer.num_saved_blocks == 3
+
+
+def test_a_local_prefix_hit_is_not_counted_as_the_connectors_tokens(tmp_path):
+    """A prompt's first 2 blocks found in the consumer's own prefix cache (a shorter prompt loaded them), its
+    next 2 from the store: the connector supplied 8 tokens to it, not 16."""
+    prompt = ids(range(1400, 1417))  # 4 blocks travel
+    tokens(role(tmp_path, "kv_producer"), [prompt], PREFILL)
+    consumer = role(tmp_path, "kv_consumer")
+    tokens(consumer, [ids(prompt["prompt_token_ids"][:9])])  # loads the first 2 blocks
+    assert consumer.stats.kv_transfer.num_external_tokens == 2 * BLOCK
+    tokens(consumer, [prompt])
+    stats = consumer.stats
+    assert stats.kv_transfer.num_external_tokens == 4 * BLOCK and stats.prefix_cache_hits >= 2
+
+
 def test_a_request_asking_for_prompt_logprobs_loads_nothing(tmp_path):
     prompt = ids(range(1100, 1114))
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1, ignore_eos=True)

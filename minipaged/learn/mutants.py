@@ -589,6 +589,16 @@ CATALOGUE: list[Mutant] = [
         "n, _ = self.connector.get_num_new_matched_tokens(seq, 0)")),
     m(14, "a block saved before the step that computes its last token", (
         "done = min(seq.num_computed_tokens // self.block_size, len(hashes))", "done = len(hashes)")),
+    m(14, "the blocks saved are not remembered", ("first = self.num_saved.get(seq.seq_id, 0)", "first = 0")),
+    m(14, "the connector hears of a request's blocks only when it was asked", (
+        "            n, _ = self.connector.get_num_new_matched_tokens(seq, local)\n"
+        "        self.connector.update_state_after_alloc(seq, self.manager.get_block_table(seq.seq_id), n)\n",
+        "            n, _ = self.connector.get_num_new_matched_tokens(seq, local)\n"
+        "            self.connector.update_state_after_alloc(seq, self.manager.get_block_table(seq.seq_id), n)\n")),
+    m(14, "local prefix hits counted as the connector's tokens", (
+        "self.connector.update_state_after_alloc(seq, self.manager.get_block_table(seq.seq_id), n)",
+        "self.connector.update_state_after_alloc(seq, self.manager.get_block_table(seq.seq_id),"
+        " n + local if n else 0)")),
     m(14, "K loaded into the values", ("cache.value_cache[layer][index] = kv[:, layer, 1]",
                                         "cache.value_cache[layer][index] = kv[:, layer, 0]")),
     m(14, "blocks loaded into the wrong slots", ("zip(meta.block_ids, meta.block_hashes, strict=True)",
