@@ -36,7 +36,8 @@ def test_the_same_memory_holds_twice_the_blocks_of_a_bfloat16_cache():
     assert fp8 == 2 * auto
 
 
-@pytest.mark.parametrize("kwargs", [dict(kv_cache_dtype="fp16"), dict(kv_cache_dtype="fp8", calculate_kv_scales=1)])
+@pytest.mark.parametrize("kwargs", [dict(kv_cache_dtype="fp16"), dict(kv_cache_dtype="fp8", calculate_kv_scales=1),
+                                    dict(kv_cache_dtype="fp8_e5m2"), dict(kv_cache_dtype="fp8_e4m3", stage=7)])
 def test_a_bad_cache_dtype_is_refused_where_the_configuration_is_made(kwargs):
     with pytest.raises(ValueError):
         EngineConfig(**kwargs)

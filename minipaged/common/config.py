@@ -162,6 +162,9 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype='fp8_e5m2' is vLLM's other FP8 cache (5 exponent bits, 2 of mantissa: "
+                             "a wider range, less precision, no scales); minipaged stores e4m3 only: 'fp8' or 'fp8_e4m3'")
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative_config is not None:  # a dict, as vLLM takes it, checked into its dataclass
@@ -262,7 +265,7 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.async_scheduling and c.stage < 10, "async_scheduling needs stage >= 10"),
     (lambda c: c.tensor_parallel_size > 1 and c.stage < 11, "tensor_parallel_size > 1 needs stage >= 11"),
     (lambda c: c.speculative_config is not None and c.stage < 12, "speculative_config needs stage >= 12"),
-    (lambda c: c.fp8_kv_cache and c.stage < 13, "kv_cache_dtype='fp8' needs stage >= 13"),
+    (lambda c: c.fp8_kv_cache and c.stage < 13, "an FP8 kv_cache_dtype ('fp8' or 'fp8_e4m3') needs stage >= 13"),
     (lambda c: c.calculate_kv_scales and not c.fp8_kv_cache, "calculate_kv_scales needs kv_cache_dtype='fp8'"),
     (lambda c: c.kv_transfer_config is not None and c.stage < 14, "kv_transfer_config needs stage >= 14"),
     (lambda c: c.kv_transfer_config is not None and c.scheduler == "v0",
