@@ -164,7 +164,8 @@ class EngineConfig:
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if self.kv_cache_dtype == "fp8_e5m2":
             raise ValueError("kv_cache_dtype='fp8_e5m2' is vLLM's other FP8 cache (5 exponent bits, 2 of mantissa: "
-                             "a wider range, less precision, no scales); minipaged stores e4m3 only: 'fp8' or 'fp8_e4m3'")
+                             "a wider range, less precision, no scales); minipaged stores e4m3 only: "
+                             "'fp8' or 'fp8_e4m3'")
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative_config is not None:  # a dict, as vLLM takes it, checked into its dataclass
