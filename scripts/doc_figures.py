@@ -537,11 +537,12 @@ def disaggregated_prefill():
             ax.annotate("", (x + w / 2, y1), (x + w / 2, y0), arrowprops=dict(arrowstyle="->", color="#555555"))
     ax.text(-0.15, 1.5, "files, named\nby the hash", ha="right", va="center", fontsize=9)
     last = len(names) * (w + gap)
-    ax.text(last + w + 0.2, 1.5, "save_kv_layer, wait_for_save\n(after the forward)\n\nstart_load_kv\n"
-            "(before the forward)", fontsize=8.5, va="center", color="#333333")
+    ax.text(last + w + 0.2, 1.5, "save_kv_layer\n(in the forward, layer by layer)\nwait_for_save\n"
+            "(after the forward)\n\nstart_load_kv\n(before the forward)", fontsize=8.5, va="center",
+            color="#333333")
     ax.text(last + w / 2, 1.5, "the last token's\nblock: no file", ha="center", va="center", fontsize=8,
             color="#555555")
-    ax.set_xlim(-1.4, last + w + 2.6)
+    ax.set_xlim(-1.4, last + w + 3.0)
     ax.set_ylim(-0.1, 3.1)
     ax.axis("off")
     _save(fig, "disaggregated_prefill.svg")
