@@ -83,8 +83,11 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 # CTranslate2, throughput.py's fourth side (pyproject's `bench` extra); without it that side is skipped, and says why.
+# nano-vllm-fork (the package index's nano-vllm), host_path.py's other side, without its dependencies (CUDA's).
+NANO_VLLM = $(PY) -m pip install --quiet --no-deps nano-vllm-fork xxhash || echo "no nano-vllm: host_path.py runs alone"
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c requirements.lock -e ".[bench]" || echo "no CTranslate2: throughput.py runs without it"
+	$(NANO_VLLM)
 	@for script in bench/*.py; do \
 		case $$script in */workloads.py|*/peer_models.py) continue;; esac; \
 		echo "== $$script"; $(PY) $$script --quick || exit 1; \
@@ -95,6 +98,7 @@ bench: $(STAMP)
 # The full runs, whose plots the documentation shows.
 bench-full: $(STAMP)
 	$(PY) -m pip install --quiet -c requirements.lock -e ".[bench]" || echo "no CTranslate2: throughput.py runs without it"
+	$(NANO_VLLM)
 	@for script in bench/*.py; do \
 		case $$script in */workloads.py|*/peer_models.py) continue;; esac; \
 		echo "== $$script"; $(PY) $$script || exit 1; \

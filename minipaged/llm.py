@@ -15,6 +15,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | K/V storage and attention | ``kv_cache_dtype``: the model's dtype, or e4m3 with per-layer scales | 6, 13 |
 | KV connector | ``kv_transfer_config``: none, or one that loads and saves blocks (producer, consumer, both); | 14 |
 | | its scheduler side is the scheduler's ``connector``, its worker side the runner's and the attention's | |
+| | (with ``tensor_parallel_size > 1``: every worker's, over its shard, and a stand-in the runner's) | 11 |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
@@ -70,7 +71,13 @@ from minipaged.stage11_tensor_parallel import Executor, follow_rank_0_of, start_
 from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
 from minipaged.stage12_speculative import SpecDecoder, SpecInputBatch
 from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache, check_fp8_supported, fp8_attention
-from minipaged.stage14_disaggregated_prefill import ConnectorKVCacheManager, KVConnectorAttention, KVConnectorWorker
+from minipaged.stage14_disaggregated_prefill import (
+    ConnectorKVCacheManager,
+    KVConnectorAttention,
+    KVConnectorWorker,
+    TensorParallelKVConnector,
+    worker_kv_connector,
+)
 from minipaged.stage14_kv_connector import KVConnectorRole, create_connector, model_identity
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -92,6 +99,15 @@ def kv_cache_parts(c: EngineConfig) -> dict[str, Any]:
         return {"kv_cache": functools.partial(FP8PagedKVCache, calculate_kv_scales=c.calculate_kv_scales),
                 "attention": fp8_attention}
     return {"kv_cache": SwapPagedKVCache, "attention": None}
+
+
+def worker_parts(c: EngineConfig) -> dict[str, Any]:
+    """What every tensor-parallel worker is built with (stage 11's ``WorkerConfig``): the K/V cache and the
+    attention (``kv_cache_parts``), and the KV connector's worker side over its shard, if one is configured."""
+    kv_connector = None
+    if isinstance(c.kv_transfer_config, KVTransferConfig):
+        kv_connector = functools.partial(worker_kv_connector, c.kv_transfer_config, c.block_size)
+    return {**kv_cache_parts(c), "kv_connector": kv_connector}
 
 
 class LLM:
@@ -163,7 +179,8 @@ class LLM:
         kv_cache_manager, connector = KVCacheManager(block_manager), None
         if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's scheduler side, by the blocks
             kv_cache_manager = connector = ConnectorKVCacheManager(
-                block_manager, create_connector(c.kv_transfer_config, KVConnectorRole.SCHEDULER, c.block_size))
+                block_manager, create_connector(c.kv_transfer_config, KVConnectorRole.SCHEDULER, c.block_size,
+                                                world_size=c.tensor_parallel_size))
         scheduler_class = AsyncScheduler if c.async_scheduling else V1Scheduler
         return scheduler_class(kv_cache_manager, max_num_batched_tokens=c.max_num_batched_tokens,
                                max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, connector=connector,
@@ -177,7 +194,7 @@ class LLM:
         cache: Any
         parts = kv_cache_parts(c)
         if c.tensor_parallel_size > 1:
-            self.executor, model, cache = start_tensor_parallel(c, mc, path, **parts)
+            self.executor, model, cache = start_tensor_parallel(c, mc, path, **worker_parts(c))
             return model, cache
         model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
         scratch = 1 if c.uses_cuda_graphs else 0  # a block no sequence is given: the graphs' padded rows write there
@@ -191,14 +208,18 @@ class LLM:
 
     def build_runner(self) -> ModelRunner | V1ModelRunner:
         """V0's, or V1's, which holds the parts configured: a batch that holds drafts and the drafts' rows,
-        the connector's worker side (around the forward, and in every layer's attention)."""
+        the connector's worker side (around the forward, and in every layer's attention; with tensor-parallel
+        workers, in each of them, and the runner holds their stand-in)."""
         c, backend = self.config, self.attention
         if c.scheduler == "v0":
             return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
-        input_batch = kv_connector = None
+        input_batch = None
+        kv_connector: KVConnectorWorker | TensorParallelKVConnector | None = None
         if self.spec_decoder is not None:
             input_batch = SpecInputBatch(c.max_num_seqs, c.max_model_len, -(-c.max_model_len // c.block_size))
-        if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
+        if isinstance(c.kv_transfer_config, KVTransferConfig) and self.executor is not None:  # in the workers
+            kv_connector = TensorParallelKVConnector(self.executor)
+        elif isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
             weights = self.model.model if isinstance(self.model, CUDAGraphModel) else self.model
             connector = create_connector(c.kv_transfer_config, KVConnectorRole.WORKER, c.block_size,
                                          model_identity(weights))
@@ -280,8 +301,8 @@ class LLM:
         kv_manager = getattr(self.scheduler, "kv_cache_manager", None)
         kv_transfer = None
         if isinstance(kv_manager, ConnectorKVCacheManager) and isinstance(runner, V1ModelRunner):
-            assert isinstance(runner.kv_connector, KVConnectorWorker)
-            kv_transfer = kv_manager.make_kv_transfer_stats() + runner.kv_connector.connector.make_stats()
+            assert isinstance(runner.kv_connector, KVConnectorWorker | TensorParallelKVConnector)
+            kv_transfer = kv_manager.make_kv_transfer_stats() + runner.kv_connector.make_stats()
         return Stats(engine=dataclasses.replace(engine.stats), scheduler=self.scheduler.make_stats(),
                      prefix_cache=(allocator.make_stats() if isinstance(allocator, PrefixCachingAllocator)
                                    else PrefixCacheStats()),
@@ -326,7 +347,7 @@ def torchrun_main(argv: list[str] | None = None) -> None:
     if rank != 0:
         path = resolve_model_path(args.model)
         config = EngineConfig(model=args.model, **kwargs)
-        follow_rank_0_of(config.resolve(load_config(path)), path, rank, **kv_cache_parts(config))
+        follow_rank_0_of(config.resolve(load_config(path)), path, rank, **worker_parts(config))
         return
     with LLM(args.model, **kwargs) as llm:
         prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]

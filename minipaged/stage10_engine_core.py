@@ -30,7 +30,6 @@ from minipaged.common.device import to_device
 from minipaged.common.processor import Prompt
 from minipaged.common.sampler import PendingSamplerOutput, SamplerOutput
 from minipaged.common.sampling_params import RequestOutput, SamplingParams
-from minipaged.common.sequence import SequenceStatus
 from minipaged.stage7_engine import CUMULATIVE, LLMEngine, Request
 from minipaged.stage9_prefix_caching import skip_cache_reads_for_prompt_logprobs
 from minipaged.stage10_front_end import ChildRequestId, ParentRequest
@@ -159,17 +158,22 @@ class V1Engine(LLMEngine):
 
     def forward_and_sample(self, out: SchedulerOutput) -> StepResult:
         """The forward pass, then the sampler on the rows that sample without guessed tokens."""
-        by_id = {r.request_id: r for r in out.scheduled}
         req_ids, logits = self.runner.execute_model(out)
         failed = list(self.runner.failed_req_ids)
-        requests = [by_id[r] for r in req_ids]
+        if len(req_ids) == len(out.scheduled):  # every request samples (the runner keeps the step's order)
+            requests = out.scheduled
+        else:
+            by_id = {r.request_id: r for r in out.scheduled}
+            requests = [by_id[r] for r in req_ids]
         spec = out.scheduled_spec_decode_tokens
-        plain = [i for i, r in enumerate(req_ids) if r not in spec]
-        rows = logits[:len(requests)] if len(plain) == len(requests) else logits.index_select(
-            0, to_device(plain, logits.device, torch.int64))
-        sampled = self.sampler.sample_async(rows, [requests[i].seqs[0] for i in plain],
-                                            [requests[i].params for i in plain])
-        self.runner.set_prev_sampled([req_ids[i] for i in plain], sampled.token_ids)  # a next step's placeholders
+        plain = [i for i, r in enumerate(req_ids) if r not in spec] if spec else list(range(len(req_ids)))
+        if len(plain) == len(requests):
+            rows, sampling = logits[:len(requests)], requests
+        else:
+            rows = logits.index_select(0, to_device(plain, logits.device, torch.int64))
+            sampling = [requests[i] for i in plain]
+        sampled = self.sampler.sample_async(rows, [r.seqs[0] for r in sampling], [r.params for r in sampling])
+        self.runner.set_prev_sampled([r.request_id for r in sampling], sampled.token_ids)  # the next placeholders
         return StepResult(requests, plain, sampled, logits, failed)
 
     def execute_and_sample(self, out: SchedulerOutput) -> list[Request]:  # type: ignore[override]
@@ -189,7 +193,7 @@ class V1Engine(LLMEngine):
         for req_id in result.failed_req_ids:
             self.scheduler.recompute_after_load_error(self.requests[req_id])
         spec_rows, at = {}, n + m  # the rows before each guessed token, request by request
-        for r in out.num_scheduled_tokens:
+        for r in out.num_scheduled_tokens if spec else ():
             if r in spec:
                 spec_rows[r], at = logits[at:at + len(spec[r])], at + len(spec[r])
         sampled = result.sampled.result()
@@ -197,7 +201,7 @@ class V1Engine(LLMEngine):
             request = requests[i]
             self.append_token(request, request.seqs[0], sampled.token_ids[k], sampled.logprobs[k],
                               sampled.top_logprobs[k])
-        for i, request in enumerate(requests):
+        for i, request in enumerate(requests if spec else ()):
             if request.request_id in spec and self.spec_decoder is not None:
                 rows = torch.cat([spec_rows[request.request_id], logits[i:i + 1]])  # (d + 1, vocab)
                 self.spec_decoder.verify(self, request, spec[request.request_id], rows)
@@ -284,8 +288,8 @@ class V1Engine(LLMEngine):
     def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:  # type: ignore[override]
         """A decode is a request past its prompt (fed back the token it sampled, or its placeholder); every
         other token is a prompt's."""
-        prompt_lens = {r.request_id: len(r.seqs[0].prompt_token_ids) for r in out.scheduled}
-        decodes = sum(1 for c in out.scheduled_cached_reqs if c.num_computed_tokens >= prompt_lens[c.req_id])
-        running = [r.seqs[0] for r in self.scheduler.running if r.seqs[0].status is SequenceStatus.RUNNING]
-        token, held = self.scheduler.kv_cache_manager.num_slots(running)
+        # the running requests come first in ``scheduled``, in the order of their messages
+        decodes = sum(c.num_computed_tokens >= len(r.seqs[0].prompt_token_ids)
+                      for c, r in zip(out.scheduled_cached_reqs, out.scheduled))
+        token, held = self.scheduler.kv_cache_manager.num_slots()
         return out.total_num_scheduled_tokens - decodes, decodes, token, held

@@ -9,8 +9,6 @@ reused), ``allocate_slots`` the slots a step adds, and ``num_slots`` counts what
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from minipaged.common.sequence import Sequence
 from minipaged.stage1_block_allocator import OutOfBlocksError
 from minipaged.stage6_swapping import SwapBlockSpaceManager
@@ -22,6 +20,8 @@ class KVCacheManager:
 
     def __init__(self, manager: SwapBlockSpaceManager) -> None:
         self.manager = manager
+        # with prefix caching, the manager that names blocks (else None)
+        self.prefix_cache = manager if isinstance(manager, PrefixCachingBlockSpaceManager) else None
 
     def allocate_prompt(self, seq: Sequence) -> int | None:
         """Blocks for all of a new (or recomputed) sequence's tokens, the cached prefix reused: the
@@ -38,6 +38,9 @@ class KVCacheManager:
         and nothing taken, if that needs more blocks than are free."""
         manager, table = self.manager, self.manager.table(seq.seq_id)
         missing = seq.num_computed_tokens + num_new_tokens - table.num_tokens  # slots to add
+        if 0 < missing and table.num_tokens + missing <= len(table.block_ids) * manager.block_size:
+            table.num_tokens += missing  # the last block has room (15 steps in 16): the slots are only counted
+            return []  # (it is this sequence's own: V1 forks nothing, and prefix caching shares only full blocks)
         # BEGIN SOLUTION refuse when the blocks are short; else append the slots at once
         needed = manager.blocks_needed(table.num_tokens + missing) - len(table.block_ids)
         if needed > 0 and needed > manager.num_free_blocks:
@@ -49,25 +52,23 @@ class KVCacheManager:
         """With prefix caching, the full blocks of the sequence's first ``num_computed_tokens`` tokens become
         findable as soon as a step is scheduled to compute them (vLLM's ``cache_blocks``, which
         ``allocate_slots`` calls): a request admitted after this one, in the same step too, finds them."""
-        if isinstance(self.manager, PrefixCachingBlockSpaceManager):
-            self.manager.cache_computed_blocks(seq.seq_id, num_computed_tokens)
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_computed_blocks(seq.seq_id, num_computed_tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after a step that failed, whose blocks may never have been written)."""
-        if isinstance(self.manager, PrefixCachingBlockSpaceManager):
-            self.manager.allocator.reset_prefix_cache()
+        if self.prefix_cache is not None:
+            self.prefix_cache.allocator.reset_prefix_cache()
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq.seq_id)
 
-    def num_slots(self, seqs: Iterable[Sequence]) -> tuple[int, int]:
+    def num_slots(self) -> tuple[int, int]:
         """(slots holding K/V, slots held), as stage 2's ``usage()`` counts them, without walking
         every block: only a table's last block can be part full, and prefix caching shares full
-        blocks only, so the slack is a sum over sequences and the rest is the used blocks."""
+        blocks only, so the slack is one sum over the tables and the rest is the used blocks."""
         manager, size = self.manager, self.manager.block_size
         held = (manager.num_total_blocks - manager.num_free_blocks) * size
-        slack = 0
-        for seq in seqs:
-            table = manager.table(seq.seq_id)
-            slack += len(table.block_ids) * size - table.num_tokens
+        tables = manager.block_tables.values()
+        slack = sum(len(t.block_ids) for t in tables) * size - sum(t.num_tokens for t in tables)
         return held - slack, held

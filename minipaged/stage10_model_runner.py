@@ -59,11 +59,13 @@ class InputBatch:
         ``num_computed_tokens``, which only the runner moves), the new blocks after its blocks."""
         row = self.row_of[cached.req_id]
         # BEGIN SOLUTION write the new tokens and block ids after the row's last ones
-        t, b = self.num_tokens[row], self.num_blocks[row]
+        t = self.num_tokens[row]
         self.token_ids[row, t:t + len(cached.new_token_ids)] = cached.new_token_ids
-        self.block_table[row, b:b + len(cached.new_block_ids)] = cached.new_block_ids
-        self.num_tokens[row] += len(cached.new_token_ids)
-        self.num_blocks[row] += len(cached.new_block_ids)
+        self.num_tokens[row] = t + len(cached.new_token_ids)
+        if cached.new_block_ids:  # most steps bring none: no numpy call for them
+            b = self.num_blocks[row]
+            self.block_table[row, b:b + len(cached.new_block_ids)] = cached.new_block_ids
+            self.num_blocks[row] = b + len(cached.new_block_ids)
         # END SOLUTION
 
     def remove_request(self, req_id: Hashable) -> None:
@@ -111,13 +113,12 @@ class V1ModelRunner:
         self.spec_decoder, self.kv_connector = spec_decoder, kv_connector
         self.failed_req_ids: list[Hashable] = []  # requests whose loads failed in the last step
         self.prev_sampled_token_ids: torch.Tensor | None = None  # the last step's tokens, on the device
-        self.prev_req_id_to_index: dict[Hashable, int] = {}
+        self.prev_req_ids: list[Hashable] = []  # whose, in order
 
     def set_prev_sampled(self, req_ids: list[Hashable], token_ids: torch.Tensor) -> None:
         """The tokens a step sampled, ``(len(req_ids),)`` on the device, in order: the next step's
         placeholders take theirs there (vLLM's ``prev_sampled_token_ids``)."""
-        self.prev_sampled_token_ids = token_ids
-        self.prev_req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+        self.prev_sampled_token_ids, self.prev_req_ids = token_ids, req_ids
 
     def prepare_input_ids(self, token_ids: np.ndarray, owner: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """The step's input ids on the device: ``token_ids`` ``(num_tokens,)`` read from the batch (``owner``:
@@ -128,7 +129,8 @@ class V1ModelRunner:
         holes = np.flatnonzero(positions >= batch.num_tokens[owner])
         if len(holes):
             assert self.prev_sampled_token_ids is not None, "a placeholder with no step before it"
-            prev = [self.prev_req_id_to_index[batch.req_ids[owner[i]]] for i in holes]
+            index = {r: i for i, r in enumerate(self.prev_req_ids)}  # only a step with placeholders needs it
+            prev = [index[batch.req_ids[owner[i]]] for i in holes]
             sampled = self.prev_sampled_token_ids.index_select(0, to_device(prev, self.device, torch.int64))
             input_ids.index_copy_(0, to_device(holes, self.device, torch.int64), sampled)
         return input_ids

@@ -201,7 +201,7 @@ class V1Scheduler:
         """
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
-        self.running = [r for r in self.running if not r.is_finished()]
+        self.running = [r for r in self.running if r.seqs[0].status is not SequenceStatus.FINISHED]  # one seq each
         budget, kv = self.max_num_batched_tokens, self.kv_cache_manager
         # BEGIN SOLUTION running requests first (preempting the newest when blocks are short), then waiting ones
         i = 0
@@ -267,13 +267,13 @@ class V1Scheduler:
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
         """The request computes ``n`` tokens this step (its message to the runner is the last one made); the
         full blocks they complete become findable now, for the requests scheduled after it."""
-        cached = out.scheduled_cached_reqs
-        if cached and cached[-1].req_id == request.request_id:
-            cached[-1].num_computed_tokens = request.seqs[0].num_computed_tokens
-        out.num_scheduled_tokens[request.request_id] = n
+        cached, seq, req_id = out.scheduled_cached_reqs, request.seqs[0], request.request_id
+        if cached and cached[-1].req_id == req_id:
+            cached[-1].num_computed_tokens = seq.num_computed_tokens
+        out.num_scheduled_tokens[req_id] = n
         out.scheduled.append(request)
-        self.num_tokens_sent[request.request_id] = len(request.seqs[0])
-        self.kv_cache_manager.cache_blocks(request.seqs[0], request.seqs[0].num_computed_tokens + n)
+        self.num_tokens_sent[req_id] = len(seq)
+        self.kv_cache_manager.cache_blocks(seq, seq.num_computed_tokens + n)
 
 
 def prompt_logprob_requests(out: SchedulerOutput) -> list[tuple[Request, range]]:

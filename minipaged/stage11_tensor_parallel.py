@@ -26,6 +26,11 @@ checks that the workers live: a worker that dies makes the call raise ``WorkerDi
 within a fraction of a second, and the ``LLM`` is then closed. Workers ignore Ctrl-C, and a
 step is sent to all of them or to none; they never outlive their ``LLM`` (``close()``, a
 ``with`` block, or the interpreter's exit).
+
+A KV connector (stage 14) has its worker side in every worker, over its shard of the KV heads. The
+driver sets the step's connector metadata on the executor (``kv_connector_metadata``) before the
+forward; the executor sends it with the step, and keeps the union of the blocks the workers failed to
+load (``invalid_block_ids``, as vLLM's ``KVOutputAggregator`` joins them) for the driver to read after.
 """
 
 from __future__ import annotations
@@ -100,7 +105,26 @@ def stop_workers(procs: list[mp.process.BaseProcess], conns: list[Connection], r
     shutil.rmtree(rendezvous, ignore_errors=True)  # the rendezvous file this executor made, nothing else
 
 
-class MultiprocExecutor:
+class StepExecutor:
+    """What both executors share: a step, sent to every worker (``collective_rpc``), with the KV connector's
+    metadata of the step if the driver set it; rank 0's logits back."""
+
+    kv_connector_metadata: Any = None  # the next step's, set by the driver (None: no connector)
+    invalid_block_ids: frozenset[int] = frozenset()  # the blocks any worker failed to load in the last step
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> list[Any]:
+        raise NotImplementedError
+
+    def execute_model(self, step: StepInputs) -> torch.Tensor:
+        if self.kv_connector_metadata is None:
+            return torch.from_numpy(self.collective_rpc("execute_model", step)[0])
+        step = dataclasses.replace(step, kv_connector_metadata=self.kv_connector_metadata)
+        results = self.collective_rpc("execute_model_with_kv_connector", step)
+        self.invalid_block_ids = frozenset().union(*(invalid for _, invalid in results))
+        return torch.from_numpy(results[0][0])
+
+
+class MultiprocExecutor(StepExecutor):
     """``tensor_parallel_size`` workers started with spawn, one pipe each; ``collective_rpc`` runs a
     method on every worker and returns their results, in rank order (vLLM's names)."""
 
@@ -170,9 +194,6 @@ class MultiprocExecutor:
         self.shutdown()
         raise WorkerDiedError(message)
 
-    def execute_model(self, step: StepInputs) -> torch.Tensor:
-        return torch.from_numpy(self.collective_rpc("execute_model", step)[0])
-
     def check_health(self) -> None:
         """``WorkerDiedError`` if a worker is gone, or the executor shut down (vLLM's ``check_health``)."""
         if self.dead is not None:
@@ -183,7 +204,7 @@ class MultiprocExecutor:
         self.finalizer()
 
 
-class ExternalLauncherExecutor:
+class ExternalLauncherExecutor(StepExecutor):
     """Under ``torchrun``: this process is rank 0 and runs the engine; the other ranks follow it
     (``follow_rank_0``), each call broadcast to them and their results gathered, over the process group."""
 
@@ -203,9 +224,6 @@ class ExternalLauncherExecutor:
             results: list[Any] = [None] * dist.get_world_size()
             dist.gather_object(getattr(self.worker, method)(*args), results, dst=0)
         return results
-
-    def execute_model(self, step: StepInputs) -> torch.Tensor:
-        return torch.from_numpy(self.collective_rpc("execute_model", step)[0])
 
     def check_health(self) -> None:
         if self.dead is not None:
@@ -343,8 +361,9 @@ def start_tensor_parallel(config: ResolvedEngineConfig, model_config: ModelConfi
                           **parts: Any) -> tuple[Executor, TensorParallelModel, RemoteKVCache]:
     """Start ``config.tensor_parallel_size`` workers holding the model's shards and their K/V; return
     the executor and the driver's stand-ins for the model and the cache, which the runner of stage 7
-    or 10 calls as it calls the real ones. ``parts``: the workers' ``kv_cache`` and ``attention``
-    (``WorkerConfig``'s), where the configuration chose others than stage 6's cache."""
+    or 10 calls as it calls the real ones. ``parts``: the workers' ``kv_cache``, ``attention`` and
+    ``kv_connector`` (``WorkerConfig``'s), where the configuration chose others than stage 6's cache, or
+    a KV connector."""
     c = config
     external = c.distributed_executor_backend == "external_launcher"
     executor = (ExternalLauncherExecutor if external else MultiprocExecutor)(worker_config(c, path, **parts))
@@ -354,7 +373,7 @@ def start_tensor_parallel(config: ResolvedEngineConfig, model_config: ModelConfi
 
 def worker_config(config: ResolvedEngineConfig, path: Path, **parts: Any) -> WorkerConfig:
     """What every worker is started with: the model's folder, and the engine's dtype, device and cache sizes
-    (``parts``: the cache and attention chosen for it, as ``WorkerConfig`` names them)."""
+    (``parts``: the cache, attention and KV connector chosen for it, as ``WorkerConfig`` names them)."""
     return WorkerConfig(str(path), str(config.torch_dtype).removeprefix("torch."), str(config.device),
                         config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.tensor_parallel_size,
                         **parts)

@@ -15,6 +15,10 @@ and replies over a pipe), or by ``torchrun``, which sets its rank, the world siz
 rendezvous in its environment (``python -m minipaged.llm``: rank 0 runs the
 engine, the others follow it). Every collective has the process group's timeout; a worker
 exits when the driver goes away.
+
+A KV connector's worker side (stage 14), where the engine has one, runs in every worker, over its
+shard: the step carries the connector's metadata, the worker loads before its forward and saves
+after it (``execute_model_with_kv_connector``), and answers with the blocks it failed to load.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +48,18 @@ from minipaged.models.parallel import (
 )
 from minipaged.stage6_swapping import SwapPagedKVCache
 from minipaged.stage7_model_runner import backend_named
+
+
+class WorkerKVConnector(Protocol):
+    """A KV connector's worker side in one worker, over its shard of the cache (stage 14 gives one): its
+    attention around the backend's, its loads and saves around the forward (the set it gives holds, once
+    the block ends, the ids of the blocks it failed to load), and its counts."""
+
+    def attention(self, backend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]: ...
+
+    def load_and_save(self, metadata: Any) -> AbstractContextManager[set[int]]: ...
+
+    def make_stats(self) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -62,6 +79,9 @@ class WorkerConfig:
     # backend over it, given the step's backend name (None: stage 4's or 5's, by name). Both are picklable.
     kv_cache: Callable[..., Any] = SwapPagedKVCache
     attention: Callable[[str, Any], Callable[..., torch.Tensor]] | None = None
+    # The KV connector's worker side, given this rank's cache, its shard of the model, its rank and the world
+    # size (None: no connector). Picklable too.
+    kv_connector: Callable[[Any, torch.nn.Module, int, int], WorkerKVConnector] | None = None
 
 
 @dataclasses.dataclass
@@ -79,6 +99,7 @@ class StepInputs:
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
     attention_backend: str = "ref"
+    kv_connector_metadata: Any = None  # the KV connector's loads and saves of the step (stage 14); None: none
 
 
 class Worker:
@@ -89,6 +110,7 @@ class Worker:
         self.device = self.rank_device(torch.device(config.device), rank)
         self.all_reduce_bytes = 0  # counted once asked for (count_all_reduce_bytes)
         self.counting = False
+        self.kv_connector: WorkerKVConnector | None = None
 
     @staticmethod
     def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -115,10 +137,14 @@ class Worker:
         self.cache = c.kv_cache(mc.num_layers, c.num_gpu_blocks, c.block_size,
                                 num_kv_heads_per_rank(mc, self.world_size), mc.head_dim,
                                 resolve_dtype(c.dtype), self.device, c.num_cpu_blocks)
+        if c.kv_connector is not None:
+            self.kv_connector = c.kv_connector(self.cache, self.model, self.rank, self.world_size)
 
     def attention_backend(self, name: str) -> Callable[..., torch.Tensor]:
-        """The backend a step names (``"ref"``, ``"triton"``), over this rank's cache."""
-        return backend_named(name) if self.config.attention is None else self.config.attention(name, self.cache)
+        """The backend a step names (``"ref"``, ``"triton"``), over this rank's cache; within the KV connector's
+        attention, if there is one."""
+        backend = backend_named(name) if self.config.attention is None else self.config.attention(name, self.cache)
+        return backend if self.kv_connector is None else self.kv_connector.attention(backend)
 
     def execute_model(self, step: StepInputs) -> np.ndarray | None:
         """Run one step on this shard: the block moves on this rank's blocks in the runner's order (swap
@@ -138,6 +164,19 @@ class Worker:
             logits = logits.float()
         return logits.cpu().numpy() if self.rank == 0 else None
         # END SOLUTION
+
+    def execute_model_with_kv_connector(self, step: StepInputs) -> tuple[np.ndarray | None, set[int]]:
+        """``execute_model`` between this rank's KV connector's loads and saves (those of
+        ``step.kv_connector_metadata``): rank 0's logits, and the ids of the blocks this rank failed to load."""
+        if self.kv_connector is None:
+            raise RuntimeError("a step with KV connector metadata, and no KV connector in this worker")
+        with self.kv_connector.load_and_save(step.kv_connector_metadata) as invalid_block_ids:
+            logits = self.execute_model(step)
+        return logits, invalid_block_ids
+
+    def kv_connector_stats(self) -> Any:
+        """This rank's KV connector's counts (None without one)."""
+        return None if self.kv_connector is None else self.kv_connector.make_stats()
 
     def gather(self, layer: int, block_table: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """This rank's K/V of one sequence, ``(seq_len, num_kv_heads / tp, head_dim)`` each, and which

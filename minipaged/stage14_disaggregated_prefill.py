@@ -20,17 +20,22 @@ saves its blocks; a **consumer** loads them and decodes. vLLM joins them through
    recomputed without the connector (vLLM's ``kv_load_failure_policy="recompute"``); the tokens
    lost are counted. The output is the same, only later.
 
+4. **Tensor parallelism** (stage 11). Every worker runs the worker side over its shard of the KV
+   heads (``worker_kv_connector``), with its own files; the driver sends each step's metadata with
+   the step, and a request's loads failed if they failed on any rank (``TensorParallelKVConnector``).
+
 Checked against one engine: a producer and a consumer over one folder generate, token for token,
 what a single engine generates, and the consumer computes no token of a transferred block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from contextlib import contextmanager
 
 import torch
 
+from minipaged.common.config import KVTransferConfig
 from minipaged.common.sequence import Sequence
 from minipaged.common.stats import KVTransferStats
 from minipaged.stage2_block_table import PagedKVCache
@@ -38,7 +43,14 @@ from minipaged.stage6_swapping import SwapBlockSpaceManager
 from minipaged.stage9_prefix_caching import PrefixCachingBlockSpaceManager
 from minipaged.stage10_kv_cache_manager import KVCacheManager
 from minipaged.stage10_sched_output import SchedulerOutput
-from minipaged.stage14_kv_connector import KVConnectorBase_V1, KVConnectorMetadata
+from minipaged.stage11_tensor_parallel import StepExecutor
+from minipaged.stage14_kv_connector import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    create_connector,
+    model_identity,
+)
 
 
 class ConnectorKVCacheManager(KVCacheManager):
@@ -131,7 +143,10 @@ class KVConnectorWorker:
 
     def __init__(self, connector: KVConnectorBase_V1, cache: PagedKVCache) -> None:
         connector.register_kv_caches(cache)
-        self.connector = connector
+        self.connector, self.cache = connector, cache
+
+    def make_stats(self) -> KVTransferStats:
+        return self.connector.make_stats()
 
     @contextmanager
     def kv_connector_output(self, out: SchedulerOutput) -> Iterator[set[Hashable]]:
@@ -153,3 +168,68 @@ class KVConnectorWorker:
         finally:
             connector.clear_connector_metadata()
         failed_req_ids.update(r.request_id for r in out.scheduled if r.seqs[0].seq_id in seq_ids)
+
+    # ---- in a tensor-parallel worker (stage 11's ``WorkerKVConnector``) ----
+
+    def attention(self, backend: Callable[..., torch.Tensor]) -> KVConnectorAttention:
+        return KVConnectorAttention(backend, self.cache, self.connector)
+
+    @contextmanager
+    def load_and_save(self, meta: KVConnectorMetadata) -> Iterator[set[int]]:
+        """``kv_connector_output`` of one worker: the set it gives holds, once the block ends, the ids of the
+        blocks this rank failed to load (the driver maps them to requests)."""
+        connector, invalid_block_ids = self.connector, set[int]()
+        connector.bind_connector_metadata(meta)
+        try:
+            connector.start_load_kv()
+            yield invalid_block_ids
+            connector.wait_for_save()
+            invalid_block_ids.update(connector.get_block_ids_with_load_errors())
+        finally:
+            connector.clear_connector_metadata()
+
+
+def worker_kv_connector(config: KVTransferConfig, block_size: int, cache: PagedKVCache, model: torch.nn.Module,
+                        rank: int, world_size: int) -> KVConnectorWorker:
+    """The worker side a tensor-parallel worker builds (stage 11's ``WorkerConfig.kv_connector``, given its
+    first two arguments): over this rank's cache, with the identity of this rank's shard of the weights."""
+    connector = create_connector(config, KVConnectorRole.WORKER, block_size, model_identity(model), rank, world_size)
+    return KVConnectorWorker(connector, cache)
+
+
+def requests_with_load_errors(out: SchedulerOutput, meta: KVConnectorMetadata,
+                              invalid_block_ids: Collection[int]) -> set[Hashable]:
+    """The ids of the step's requests whose blocks to load include one of ``invalid_block_ids``."""
+    seq_ids = {r.req_id for r in meta.requests if not r.is_store and set(invalid_block_ids) & set(r.block_ids)}
+    return {r.request_id for r in out.scheduled if r.seqs[0].seq_id in seq_ids}
+
+
+class TensorParallelKVConnector:
+    """The runner's KV connector when tensor-parallel workers hold the cache (stage 11): each worker runs its own
+    worker side over its shard (``worker_kv_connector``). ``kv_connector_output`` hands the step's metadata to the
+    executor, which sends it with the step to every worker; after the forward, a request's loads failed if a
+    block of them failed on any rank (the union the executor kept)."""
+
+    def __init__(self, executor: StepExecutor) -> None:
+        self.executor = executor
+
+    @contextmanager
+    def kv_connector_output(self, out: SchedulerOutput) -> Iterator[set[Hashable]]:
+        meta, executor = out.kv_connector_metadata, self.executor
+        assert isinstance(meta, KVConnectorMetadata)
+        failed_req_ids: set[Hashable] = set()
+        executor.kv_connector_metadata, executor.invalid_block_ids = meta, frozenset()
+        try:
+            yield failed_req_ids
+        finally:
+            executor.kv_connector_metadata = None
+        failed_req_ids.update(requests_with_load_errors(out, meta, executor.invalid_block_ids))
+
+    def make_stats(self) -> KVTransferStats:
+        """The workers' counts: of blocks, rank 0's (every rank loads and saves its shard of the same blocks);
+        of bytes, every rank's added up."""
+        ranks = self.executor.collective_rpc("kv_connector_stats")
+        stats = KVTransferStats(**vars(ranks[0]))
+        stats.num_loaded_bytes = sum(r.num_loaded_bytes for r in ranks)
+        stats.num_saved_bytes = sum(r.num_saved_bytes for r in ranks)
+        return stats

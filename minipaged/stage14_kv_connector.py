@@ -22,6 +22,13 @@ two prompts that share only a later block never mix. A file is a safetensors fil
 K and V in every layer, ``(num_layers, 2, block_size, num_kv_heads, head_dim)``, with the SHA-256
 of its bytes: a missing, short or corrupt file is a load error, never K/V.
 
+Under tensor parallelism (stage 11) the worker side runs in every worker, over its shard of the
+KV heads, as vLLM's does: rank ``r`` of ``k`` keeps its files in its own folder,
+``shared_storage_path/tp{k}_rank{r}`` (``shard_folder``), with the identity of its own shard's
+weights, so only rank ``r`` of an engine of ``k`` ranks over the same weights reads them; the
+scheduler side counts a block only where every rank's file exists. A block one rank fails to load
+fails on every rank (they compute one forward together).
+
 Which full blocks travel: those before the block of the prompt's last token (the consumer
 computes that token itself, for its logits), so a consumer computes only the prompt's last
 block. A producer saves a block in the step that computes its last token, after the forward.
@@ -46,6 +53,7 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from minipaged.common.config import KVTransferConfig
@@ -96,8 +104,10 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
 class KVConnectorBase_V1(abc.ABC):  # noqa: N801 (vLLM's name)
     """vLLM's connector interface: one class, made twice, once for each role (scheduler, worker)."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, model: str = "") -> None:
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, model: str = "",
+                 rank: int = 0, world_size: int = 1) -> None:
         self.config, self.role, self.block_size, self.model = config, role, block_size, model
+        self.rank, self.world_size = rank, world_size  # the tensor-parallel rank whose shard the worker side moves
         self.metadata: KVConnectorMetadata | None = None
         self._stats = KVTransferStats()
 
@@ -153,6 +163,12 @@ class KVConnectorBase_V1(abc.ABC):  # noqa: N801 (vLLM's name)
 
 def block_path(folder: str | os.PathLike, digest: bytes) -> Path:
     return Path(folder) / f"{digest.hex()}.safetensors"
+
+
+def shard_folder(folder: str | os.PathLike, rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` of ``world_size`` tensor-parallel ranks keeps its blocks: ``folder`` itself for one
+    rank, else its own subfolder (``tp2_rank1``), which no rank of another rank or world size reads."""
+    return Path(folder) if world_size == 1 else Path(folder) / f"tp{world_size}_rank{rank}"
 
 
 def checksum(kv: torch.Tensor) -> str:
@@ -228,9 +244,11 @@ def read_block(path: Path, shape: tuple[int, ...], dtype: torch.dtype, block_has
 class SharedStorageConnector(KVConnectorBase_V1):
     """Blocks as files under ``shared_storage_path``, named by their prefix's hash."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, model: str = "") -> None:
-        super().__init__(config, role, block_size, model)
-        self.path = Path(config.shared_storage_path)
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int, model: str = "",
+                 rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(config, role, block_size, model, rank, world_size)
+        self.path = shard_folder(config.shared_storage_path, rank, world_size)  # this rank's files
+        self.rank_paths = [shard_folder(config.shared_storage_path, r, world_size) for r in range(world_size)]
         # scheduler side: per request (its sequence's id)
         self.hashes: dict[Hashable, list[bytes]] = {}  # the prompt's loadable blocks' hashes
         self.matched: dict[Hashable, tuple[int, int]] = {}  # (first block, blocks) the connector supplies
@@ -260,8 +278,17 @@ class SharedStorageConnector(KVConnectorBase_V1):
         while first + n < len(hashes) and block_path(self.path, hashes[first + n]).exists():
             n += 1
         # END SOLUTION
+        n = self.num_on_every_rank(hashes[first:first + n])
         self.matched[request.seq_id] = (first, n)
         return n * self.block_size, False
+
+    def num_on_every_rank(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes``, from the first, have their file in every rank's folder (the scheduler side's
+        own folder, rank 0's, was looked in already): a block is there only if every shard of it is."""
+        n = 0
+        while n < len(hashes) and all(block_path(path, hashes[n]).exists() for path in self.rank_paths[1:]):
+            n += 1
+        return n
 
     def update_state_after_alloc(self, request: Seq, block_ids: list[int], num_external_tokens: int) -> None:
         self.block_ids[request.seq_id] = list(block_ids)
@@ -352,11 +379,24 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 cache.key_cache[layer][index] = kv[:, layer, 0]
                 cache.value_cache[layer][index] = kv[:, layer, 1]
         # END SOLUTION
-        self._stats.num_loaded_blocks += len(ids)
-        self._stats.num_loaded_bytes += sum(kv.numel() * kv.element_size() for kv in blocks)
+        self.failed |= self.failed_on_other_ranks()
+        loaded = [kv for block_id, kv in zip(ids, blocks, strict=True) if block_id not in self.failed]
+        self._stats.num_loaded_blocks += len(loaded)
+        self._stats.num_loaded_bytes += sum(kv.numel() * kv.element_size() for kv in loaded)
         self._stats.num_failed_blocks += len(self.failed)
         if self.failed:
             self.drop_stores_of_failed_loads()
+
+    def failed_on_other_ranks(self) -> set[int]:
+        """Under tensor parallelism, the blocks the other ranks failed to load this step (each rank asks when the
+        step loads anything, so all of them or none): the ranks compute one forward, so a block missing from one
+        shard is missing from all, and no rank saves a block of its request this step."""
+        assert self.metadata is not None
+        if self.world_size == 1 or all(r.is_store for r in self.metadata.requests):
+            return set()
+        everyone: list[set[int] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, self.failed)
+        return set().union(*(failed or set() for failed in everyone))
 
     def save_kv_layer(self, layer: int, kv_layer: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any) -> None:
         """Gather this layer's blocks to save, on the device: no wait for the host inside the forward."""
@@ -391,7 +431,8 @@ KV_CONNECTORS: dict[str, type[KVConnectorBase_V1]] = {"SharedStorageConnector": 
 
 
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int,
-                     model: str = "") -> KVConnectorBase_V1:
+                     model: str = "", rank: int = 0, world_size: int = 1) -> KVConnectorBase_V1:
     """vLLM's ``KVConnectorFactory.create_connector``: the connector ``config.kv_connector`` names; ``model``
-    names the weights whose K/V its worker side reads and writes (``model_identity``)."""
-    return KV_CONNECTORS[config.kv_connector](config, role, block_size, model)
+    names the weights whose K/V its worker side reads and writes (``model_identity``); ``rank`` and
+    ``world_size``: the tensor-parallel rank whose shard of the KV heads it moves, of how many."""
+    return KV_CONNECTORS[config.kv_connector](config, role, block_size, model, rank, world_size)

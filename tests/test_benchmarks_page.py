@@ -245,6 +245,15 @@ def test_time_outside_the_forward():
         + [f"{r[k]:.2f}" for k in ("schedule_ms", "inputs_ms", "sample_ms", "rest_ms")] for r in rows]
 
 
+def test_the_host_path_beside_nano_vllms():
+    data = result("host_path")
+    (table,) = english_tables()["host_path.py"]
+    assert [row[0] for row in table] == [str(r["batch"]) for r in data["rows"]]
+    assert [row[1:] for row in table] == [
+        [f"{r['minipaged_ms']:.2f} ms", f"{r['nano_vllm_ms']:.2f} ms", f"{r['ratio']:.2f}×"] for r in data["rows"]]
+    assert data["nano_vllm"].split(" (")[0] in text_of("host_path.py")  # which nano-vllm it was
+
+
 def test_tensor_parallel_step_time():
     rows = result("tensor_parallel")["step_time"]
     (table,) = english_tables()["tensor_parallel.py"]

@@ -352,6 +352,38 @@ def test_a_whole_step_runs_on_cuda_from_the_schedulers_output_to_the_samplers_on
     assert raised_at(error.value).startswith("result")
 
 
+def test_a_batch_queue_step_takes_its_placeholders_tokens_on_cuda(monkeypatch):
+    """Async scheduling: step N + 1 is scheduled before N's tokens are known; its runner fills the
+    placeholders from N's sampled tokens on the device (``prepare_input_ids``), with no read back."""
+    from minipaged import stage5_triton_attention as s5
+    from minipaged.stage6_swapping import SwapPagedKVCache
+    from minipaged.stage10_model_runner import V1ModelRunner
+
+    llm = LLM("tiny", async_scheduling=True, num_gpu_blocks=32, block_size=4)
+    mc = llm.model_config
+    for i in range(3):
+        llm.engine.add_request(i, {"prompt_token_ids": [5 + i, 6, 7, 8, 9][: 3 + i]},
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    steps = [llm.scheduler.schedule()]  # the prompts
+    for request in steps[0].scheduled:  # their first tokens, as the engine appends them
+        llm.engine.append_token(request, request.seqs[0], 7, 0.0, None)
+    steps.append(llm.scheduler.schedule())  # the first decodes, of tokens known on the host
+    steps.append(llm.scheduler.schedule())  # one placeholder each: the token the step before samples
+    assert [len(out.num_scheduled_tokens) for out in steps] == [3, 3, 3]
+    assert all(out.scheduled_cached_reqs[0].new_token_ids == [] for out in steps[2:])  # nothing new: placeholders
+    launches = Launches()
+    monkeypatch.setattr(s5, "_prefill_kernel", launches.kernel("_prefill_kernel"))
+    monkeypatch.setattr(s5, "_decode_v1_kernel", launches.kernel("_decode_v1_kernel"))
+    with fake_cuda():
+        cache = SwapPagedKVCache(mc.num_layers, 32, 4, mc.num_kv_heads, mc.head_dim, device="cuda")
+        runner = V1ModelRunner(FakeCudaModel(llm.model), cache, 4, 8, llm.max_model_len, s5.paged_attention_triton)
+        for out in steps:
+            req_ids, logits = runner.execute_model(out)
+            runner.set_prev_sampled(req_ids, logits.max(dim=-1).indices)  # on the device, never read
+        assert logits.device.type == "cuda" and logits.shape == (3, mc.vocab_size)
+    assert launches.launched == ["_prefill_kernel"] * mc.num_layers + ["_decode_v1_kernel"] * 2 * mc.num_layers
+
+
 # -- stage 14: a KV connector's loads and saves stay out of the forward ----------------------------------------------
 
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])

@@ -116,7 +116,6 @@ REFUSED = [  # configurations that break the table's rules, every rule by at lea
     dict(kv_cache_dtype="fp8", calculate_kv_scales=True, device="cuda", attention_backend="triton"),
     dict(stage=13, kv_transfer_config=CONNECTOR),
     dict(scheduler="v0", kv_transfer_config=CONNECTOR),
-    dict(tensor_parallel_size=2, kv_transfer_config=CONNECTOR),
     dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_transfer_config=CONNECTOR),
 ]
 

@@ -12,6 +12,7 @@ from functools import partial
 
 import helpers_tolerances as tolerances
 import httpx
+import numpy as np
 import pytest
 import torch
 from helpers_checkpoints import save_random_checkpoints
@@ -336,3 +337,35 @@ def test_the_workers_attend_with_the_backend_the_llm_was_given():
         generate(llm, [PROMPTS[0][:6]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert sent and set(sent) == {"triton"}
 
+
+
+def test_a_worker_attends_with_the_backend_its_step_names(tmp_path):
+    """A spy in the worker itself: the attention its configuration builds for the name the step gives is
+    the one every layer calls (in this process: one rank of one)."""
+    from minipaged.models import resolve_model_path
+    from minipaged.stage7_model_runner import backend_named
+    from minipaged.stage11_worker import StepInputs, Worker, WorkerConfig
+
+    called = []
+
+    def spy(name, cache):
+        def attention(*args, **kwargs):
+            called.append(name)
+            return backend_named("ref")(*args, **kwargs)
+        return attention
+
+    config = WorkerConfig(str(resolve_model_path("tiny")), "float32", "cpu", 4, 8, 0, 1,
+                          init_method=f"file://{tmp_path}/store", attention=spy)
+    worker = Worker(config, 0)
+    worker.init_device()
+    try:
+        worker.load_model()
+        n = 6  # one prompt of 6 tokens in blocks 0 and 1
+        step = StepInputs(np.arange(1, n + 1, dtype=np.int64), np.arange(n, dtype=np.int64),
+                          np.arange(n, dtype=np.int64), np.array([[0, 1]], np.int32), np.array([n], np.int32),
+                          np.array([0, n], np.int32), np.array([n - 1], np.int64), attention_backend="triton")
+        logits = worker.execute_model(step)
+    finally:
+        worker.close()
+    assert logits is not None and logits.shape[0] == 1
+    assert called == ["triton"] * worker.model_config.num_layers

@@ -389,3 +389,79 @@ def test_an_exception_inside_a_step_leaves_the_consumer_usable_with_every_block_
     assert connector.metadata is None
     connector.start_load_kv = load
     assert tokens(consumer, prompts) == tokens(LLM("tiny", **SIZES), prompts)
+
+
+# -- under tensor parallelism: every worker moves its shard of the KV heads ----------------------------------------
+
+TP_SETS = {"loaded": [ids(range(1100, 1118)), ids(range(1200, 1213))],  # 4 and 3 loadable blocks
+           "damaged": [ids(range(1300, 1318))],  # its second block's file spoiled on rank 1
+           "partial": [ids(range(1400, 1421))]}  # its third block's file gone from rank 1
+
+
+@pytest.fixture(scope="module")
+def tp2_store(tmp_path_factory):
+    """A folder a producer of 2 ranks saved every set's prompts to, and one engine's tokens for each set."""
+    folder = tmp_path_factory.mktemp("tp2-store")
+    with role(folder, "kv_producer", tensor_parallel_size=2) as producer:
+        tokens(producer, [p for prompts in TP_SETS.values() for p in prompts], PREFILL)
+        assert producer.stats.kv_transfer.num_saved_blocks == 4 + 3 + 4 + 5
+    single = LLM("tiny", **SIZES)
+    return folder, {name: tokens(single, prompts) for name, prompts in TP_SETS.items()}
+
+
+def rank_file(folder, rank, prompt, block):
+    return block_path(folder / f"tp2_rank{rank}", prompt_block_hashes(prompt["prompt_token_ids"], BLOCK)[block])
+
+
+@pytest.mark.rounding_free
+def test_each_rank_of_a_tensor_parallel_producer_saves_its_shard_in_its_own_folder(tp2_store):
+    folder, _ = tp2_store
+    names = [{p.name for p in (folder / f"tp2_rank{rank}").iterdir()} for rank in range(2)]
+    assert names[0] == names[1] and len(names[0]) == 4 + 3 + 4 + 5
+    assert not list(folder.glob("*.safetensors"))  # nothing where a single process looks
+    mc = load_config(resolve_model_path("tiny"))
+    kv = safetensors.torch.load_file(rank_file(folder, 1, TP_SETS["loaded"][0], 0))["kv"]
+    assert tuple(kv.shape) == (mc.num_layers, 2, BLOCK, mc.num_kv_heads // 2, mc.head_dim)  # rank 1's KV heads
+
+
+@pytest.mark.rounding_free
+def test_a_single_process_consumer_reads_no_tensor_parallel_rank_files(tp2_store):
+    folder, expected = tp2_store
+    consumer = role(folder, "kv_consumer")
+    assert tokens(consumer, TP_SETS["loaded"]) == expected["loaded"]
+    stats = consumer.stats.kv_transfer
+    assert stats.num_external_tokens == stats.num_loaded_blocks == stats.num_failed_blocks == 0
+
+
+@pytest.mark.rounding_free
+def test_a_tensor_parallel_consumer_loads_every_ranks_shard_and_equals_one_engine(tp2_store):
+    """A consumer of 2 ranks (kv_both) loads each rank's shard of the blocks; a block spoiled on one rank
+    fails on both, its request is recomputed (and its files saved again); a block missing on one rank
+    is not counted, nor any after it."""
+    from minipaged.stage14_disaggregated_prefill import TensorParallelKVConnector
+
+    folder, expected = tp2_store
+    mc = load_config(resolve_model_path("tiny"))
+    spoiled, gone = rank_file(folder, 1, TP_SETS["damaged"][0], 1), rank_file(folder, 1, TP_SETS["partial"][0], 2)
+    spoiled.write_bytes(b"not a block")
+    gone.unlink()
+    with role(folder, "kv_both", tensor_parallel_size=2) as consumer:
+        assert isinstance(consumer.engine.runner.kv_connector, TensorParallelKVConnector)
+        assert tokens(consumer, TP_SETS["loaded"]) == expected["loaded"]
+        stats = consumer.stats.kv_transfer
+        assert (stats.num_loaded_blocks, stats.num_failed_blocks, stats.num_saved_blocks) == (4 + 3, 0, 0)
+        assert stats.num_external_tokens == (4 + 3) * BLOCK
+        block_bytes = mc.num_layers * 2 * BLOCK * mc.num_kv_heads * mc.head_dim * consumer.dtype.itemsize
+        assert stats.num_loaded_bytes == (4 + 3) * block_bytes  # both ranks' halves of the heads
+
+        assert tokens(consumer, TP_SETS["damaged"]) == expected["damaged"]
+        stats = consumer.stats.kv_transfer
+        assert stats.num_failed_blocks == 1 and stats.num_loaded_blocks == 4 + 3 + 3  # not rank 0's good read of it
+        assert stats.num_recomputed_tokens == loadable_tokens(TP_SETS["damaged"][0])
+        assert stats.num_saved_blocks == 4 and spoiled.read_bytes() != b"not a block"  # saved again, whole
+
+        assert tokens(consumer, TP_SETS["partial"]) == expected["partial"]
+        after = consumer.stats.kv_transfer
+        assert after.num_external_tokens - stats.num_external_tokens == 2 * BLOCK  # up to rank 1's gap
+        assert after.num_failed_blocks == 1 and gone.exists()  # computed, and saved by both ranks
+        assert consumer.scheduler.block_manager.num_free_blocks == SIZES["num_gpu_blocks"]

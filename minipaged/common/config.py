@@ -271,9 +271,6 @@ COMBINATIONS_REFUSED: list[tuple[Callable[[EngineConfig], bool], str]] = [
     (lambda c: c.kv_transfer_config is not None and c.stage < 14, "kv_transfer_config needs stage >= 14"),
     (lambda c: c.kv_transfer_config is not None and c.scheduler == "v0",
      "a KV connector's tokens are counted computed by V1's scheduler: kv_transfer_config needs scheduler='v1'"),
-    (lambda c: c.kv_transfer_config is not None and c.tensor_parallel_size > 1,
-     "the connector reads and writes the driver's cache, and tensor-parallel workers hold it: "
-     "kv_transfer_config with tensor_parallel_size > 1"),
     (lambda c: c.kv_transfer_config is not None and c.calculate_kv_scales,
      "each engine would calibrate its own scales and read the other's bytes with them: "
      "kv_transfer_config with calculate_kv_scales"),

@@ -102,13 +102,17 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampledRow], params: Se
                                                         float("-inf"))
 
 
-def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                max_top_k: int | None = None) -> torch.Tensor:
     """``process_logits``' cuts for a batch: ``(n, vocab)`` tempered logits, per-row ``top_k`` (the
     vocabulary size: no cut) and ``top_p`` (1: no cut); the cut ones at -inf. ``None``: no row cuts
-    (the caller knows it on the host, so nothing is read back from the device)."""
+    (the caller knows it on the host, so nothing is read back from the device). ``max_top_k``: the
+    largest ``top_k``, if the caller knows it: only that many logits per row are ordered (``topk``),
+    not the whole vocabulary."""
     vocab = logits.shape[1]
     if top_k is not None:
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (top_k - 1)[:, None])  # (n, 1)
+        k = vocab if max_top_k is None else min(max_top_k, vocab)
+        kth = torch.topk(logits, k, dim=-1).values.gather(1, (top_k - 1)[:, None])  # (n, 1)
         logits = torch.where(top_k[:, None] < vocab, logits.masked_fill(logits < kth, float("-inf")), logits)
     if top_p is not None:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -127,8 +131,8 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
     back (``multinomial`` checks its input on the host), and the draw stays on the device, as vLLM's
     does. A generator must be on the device of ``probs``."""
     q = torch.empty_like(probs)
-    for k, generator in enumerate(generators):
-        q[k].exponential_(generator=generator)
+    for row, generator in zip(q.unbind(0), generators, strict=True):  # (vocab,) views, made in one call
+        row.exponential_(generator=generator)
     return probs.div(q).argmax(dim=-1)
 
 
@@ -157,13 +161,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SampledRow],
                params: Sequence[SamplingParams]) -> PendingSamplerOutput:
-        processors = any(p.has_logits_processors for p in params)
+        kinds = {id(p): p for p in params}.values()  # the distinct parameters: often one for the whole batch
+        processors = any(p.has_logits_processors for p in kinds)
         raw = logits.clone() if processors and self.logprobs_mode.startswith("raw") else logits
         if processors:
             apply_penalties(logits, seqs, params, self.eos_token_ids)
         token_ids = logits.max(dim=-1).indices  # (num_seqs,) the greedy rows' tokens (argmax, 3x slower on CPU)
         processed = logits
-        drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+        sampling = any(p.temperature > 0 for p in kinds)
+        drawn = [i for i, p in enumerate(params) if p.temperature > 0] if sampling else []
         if drawn:
             vocab, device = logits.shape[1], logits.device
             rows = to_device(drawn, device)
@@ -172,14 +178,15 @@ class Sampler:
             top_p = [params[i].top_p for i in drawn]
             cut = top_k_top_p(logits.index_select(0, rows) / temp,  # (len(drawn), vocab)
                               to_device(top_k, device) if min(top_k) < vocab else None,
-                              to_device(top_p, device) if min(top_p) < 1 else None)
+                              to_device(top_p, device) if min(top_p) < 1 else None, max(top_k))
             token_ids[rows] = draw(torch.softmax(cut, dim=-1), [seqs[i].generator for i in drawn])
             if self.logprobs_mode.startswith("processed"):
                 processed = logits.clone()
                 processed[rows] = cut
         source = raw if self.logprobs_mode.startswith("raw") else processed
-        return logprobs_on_device(source, token_ids, [p.logprobs for p in params],
-                                  as_logits=self.logprobs_mode.endswith("logits"))
+        asked = any(p.logprobs is not None for p in kinds)
+        num_logprobs = [p.logprobs for p in params] if asked else [None] * len(params)
+        return logprobs_on_device(source, token_ids, num_logprobs, as_logits=self.logprobs_mode.endswith("logits"))
 
 
 class PendingSamplerOutput:

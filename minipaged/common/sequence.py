@@ -65,7 +65,10 @@ class SequenceGroup(Generic[SeqT]):
         return [s for s in self.seqs if s.status is status]
 
     def is_finished(self) -> bool:
-        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(): called for every request at every step
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def max_num_running_seqs(self) -> int:
         return max(self.width, len(self.seqs) - len(self.seqs_with(SequenceStatus.FINISHED)))

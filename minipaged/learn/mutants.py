@@ -450,10 +450,10 @@ CATALOGUE: list[Mutant] = [
                                                           "done = seq_lens > 0")),
     m(10, "a chunk's positions start at 0", ("np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts)",
                                              "np.repeat(-(ends - counts), counts)")),
-    m(10, "new blocks overwrite the row's last ones", ("        self.num_blocks[row] += len(cached.new_block_ids)\n",
-                                                       "")),
+    m(10, "new blocks overwrite the row's last ones", (
+        "            self.num_blocks[row] = b + len(cached.new_block_ids)\n", "")),
     m(10, "the sampled token never reaches the persistent batch", (
-        "        self.num_tokens[row] += len(cached.new_token_ids)\n",
+        "        self.num_tokens[row] = t + len(cached.new_token_ids)\n",
         "")),
     m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n",
                                                             "")),
@@ -467,8 +467,8 @@ CATALOGUE: list[Mutant] = [
     m(10, "a placeholder at a request's first decode since its admission", (
         "return 0 if last or len(seq) == self.admitted_len[request.request_id] else 1", "return 0 if last else 1")),
     m(10, "the persistent batch writes new tokens at the computed count", (
-        "t, b = self.num_tokens[row], self.num_blocks[row]",
-        "t, b = self.num_computed_tokens[row], self.num_blocks[row]")),
+        "        t = self.num_tokens[row]\n",
+        "        t = self.num_computed_tokens[row]\n")),
     m(10, "the children share one generator", (
         "return dataclasses.replace(self.params, n=1, seed=None if self.seed is None else self.seed + index)",
         "return dataclasses.replace(self.params, n=1, seed=self.seed)")),
@@ -484,6 +484,8 @@ CATALOGUE: list[Mutant] = [
     m(11, "the workers attend with the reference whatever the LLM was given", (
         "logits_indices=rows.logits_indices.cpu().numpy(), attention_backend=self.attention_backend,",
         "logits_indices=rows.logits_indices.cpu().numpy(), attention_backend=\"ref\",")),
+    m(11, "a worker attends with the reference whatever its step names", (
+        "self.attention_backend(step.attention_backend), device)", "self.attention_backend(\"ref\"), device)")),
     m(11, "block copies on rank 0 only", ("self.cache.copy_blocks(step.blocks_to_copy)",
                                          "self.cache.copy_blocks(step.blocks_to_copy if self.rank == 0 else [])")),
     m(11, "swap-ins on rank 0 only", ("self.cache.swap_in(step.blocks_to_swap_in)",
