@@ -395,7 +395,8 @@ def test_an_exception_inside_a_step_leaves_the_consumer_usable_with_every_block_
 
 TP_SETS = {"loaded": [ids(range(1100, 1118)), ids(range(1200, 1213))],  # 4 and 3 loadable blocks
            "damaged": [ids(range(1300, 1318))],  # its second block's file spoiled on rank 1
-           "partial": [ids(range(1400, 1421))]}  # its third block's file gone from rank 1
+           "partial": [ids(range(1400, 1421))],  # its third block's file gone from rank 1
+           "mixed": [ids(range(1500, 1518))]}  # its second block spoiled on rank 1, its third and fourth gone
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +405,7 @@ def tp2_store(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp2-store")
     with role(folder, "kv_producer", tensor_parallel_size=2) as producer:
         tokens(producer, [p for prompts in TP_SETS.values() for p in prompts], PREFILL)
-        assert producer.stats.kv_transfer.num_saved_blocks == 4 + 3 + 4 + 5
+        assert producer.stats.kv_transfer.num_saved_blocks == 4 + 3 + 4 + 5 + 4
     single = LLM("tiny", **SIZES)
     return folder, {name: tokens(single, prompts) for name, prompts in TP_SETS.items()}
 
@@ -417,7 +418,7 @@ def rank_file(folder, rank, prompt, block):
 def test_each_rank_of_a_tensor_parallel_producer_saves_its_shard_in_its_own_folder(tp2_store):
     folder, _ = tp2_store
     names = [{p.name for p in (folder / f"tp2_rank{rank}").iterdir()} for rank in range(2)]
-    assert names[0] == names[1] and len(names[0]) == 4 + 3 + 4 + 5
+    assert names[0] == names[1] and len(names[0]) == 4 + 3 + 4 + 5 + 4
     assert not list(folder.glob("*.safetensors"))  # nothing where a single process looks
     mc = load_config(resolve_model_path("tiny"))
     kv = safetensors.torch.load_file(rank_file(folder, 1, TP_SETS["loaded"][0], 0))["kv"]
@@ -464,4 +465,20 @@ def test_a_tensor_parallel_consumer_loads_every_ranks_shard_and_equals_one_engin
         after = consumer.stats.kv_transfer
         assert after.num_external_tokens - stats.num_external_tokens == 2 * BLOCK  # up to rank 1's gap
         assert after.num_failed_blocks == 1 and gone.exists()  # computed, and saved by both ranks
+
+        # a step that loads a block spoiled on rank 1 and computes blocks after it: neither rank saves them
+        prompt = TP_SETS["mixed"][0]
+        for block in (2, 3):
+            for rank in range(2):
+                rank_file(folder, rank, prompt, block).unlink()
+        rank_file(folder, 1, prompt, 1).write_bytes(b"not a block")
+        consumer.engine.add_request("mixed", prompt, GREEDY)
+        consumer.engine.step()  # loads blocks 0 and 1 (1 fails on rank 1 only), computes 2 and 3
+        assert consumer.stats.kv_transfer.num_failed_blocks == 2
+        assert not [(r, b) for r in range(2) for b in (2, 3) if rank_file(folder, r, prompt, b).exists()]
+        outputs = []
+        while consumer.engine.has_unfinished_requests():
+            outputs += consumer.engine.step()
+        assert [o.outputs[0].token_ids for o in outputs if o.finished] == expected["mixed"]
+        assert all(rank_file(folder, r, prompt, b).exists() for r in range(2) for b in (1, 2, 3))  # recomputed
         assert consumer.scheduler.block_manager.num_free_blocks == SIZES["num_gpu_blocks"]
