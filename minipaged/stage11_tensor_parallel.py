@@ -111,6 +111,7 @@ class StepExecutor:
 
     kv_connector_metadata: Any = None  # the next step's, set by the driver (None: no connector)
     invalid_block_ids: frozenset[int] = frozenset()  # the blocks any worker failed to load in the last step
+    kv_connector_stats: list[Any] = []  # each rank's connector counts, as of its last step (none before one)
 
     def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> list[Any]:
         raise NotImplementedError
@@ -120,7 +121,8 @@ class StepExecutor:
             return torch.from_numpy(self.collective_rpc("execute_model", step)[0])
         step = dataclasses.replace(step, kv_connector_metadata=self.kv_connector_metadata)
         results = self.collective_rpc("execute_model_with_kv_connector", step)
-        self.invalid_block_ids = frozenset().union(*(invalid for _, invalid in results))
+        self.invalid_block_ids = frozenset().union(*(invalid for _, invalid, _ in results))
+        self.kv_connector_stats = [stats for _, _, stats in results]
         return torch.from_numpy(results[0][0])
 
 

@@ -165,18 +165,16 @@ class Worker:
         return logits.cpu().numpy() if self.rank == 0 else None
         # END SOLUTION
 
-    def execute_model_with_kv_connector(self, step: StepInputs) -> tuple[np.ndarray | None, set[int]]:
+    def execute_model_with_kv_connector(self, step: StepInputs) -> tuple[np.ndarray | None, set[int], Any]:
         """``execute_model`` between this rank's KV connector's loads and saves (those of
-        ``step.kv_connector_metadata``): rank 0's logits, and the ids of the blocks this rank failed to load."""
+        ``step.kv_connector_metadata``): rank 0's logits, the ids of the blocks this rank failed to load, and
+        its connector's counts so far (they come back with each step, as vLLM's ``KVConnectorOutput`` brings
+        its ``kv_connector_stats``: the driver reads them without asking, after the workers are gone too)."""
         if self.kv_connector is None:
             raise RuntimeError("a step with KV connector metadata, and no KV connector in this worker")
         with self.kv_connector.load_and_save(step.kv_connector_metadata) as invalid_block_ids:
             logits = self.execute_model(step)
-        return logits, invalid_block_ids
-
-    def kv_connector_stats(self) -> Any:
-        """This rank's KV connector's counts (None without one)."""
-        return None if self.kv_connector is None else self.kv_connector.make_stats()
+        return logits, invalid_block_ids, self.kv_connector.make_stats()
 
     def gather(self, layer: int, block_table: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """This rank's K/V of one sequence, ``(seq_len, num_kv_heads / tp, head_dim)`` each, and which

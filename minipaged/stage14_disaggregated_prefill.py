@@ -226,9 +226,11 @@ class TensorParallelKVConnector:
         failed_req_ids.update(requests_with_load_errors(out, meta, executor.invalid_block_ids))
 
     def make_stats(self) -> KVTransferStats:
-        """The workers' counts: of blocks, rank 0's (every rank loads and saves its shard of the same blocks);
-        of bytes, every rank's added up."""
-        ranks = self.executor.collective_rpc("kv_connector_stats")
+        """The workers' counts, as they came back with their last step (no call to the workers): of blocks, rank
+        0's (every rank loads and saves its shard of the same blocks); of bytes, every rank's added up."""
+        ranks = self.executor.kv_connector_stats
+        if not ranks:
+            return KVTransferStats()
         stats = KVTransferStats(**vars(ranks[0]))
         stats.num_loaded_bytes = sum(r.num_loaded_bytes for r in ranks)
         stats.num_saved_bytes = sum(r.num_saved_bytes for r in ranks)

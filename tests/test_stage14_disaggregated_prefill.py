@@ -482,3 +482,5 @@ def test_a_tensor_parallel_consumer_loads_every_ranks_shard_and_equals_one_engin
         assert [o.outputs[0].token_ids for o in outputs if o.finished] == expected["mixed"]
         assert all(rank_file(folder, r, prompt, b).exists() for r in range(2) for b in (1, 2, 3))  # recomputed
         assert consumer.scheduler.block_manager.num_free_blocks == SIZES["num_gpu_blocks"]
+        counted = consumer.stats.kv_transfer
+    assert consumer.stats.kv_transfer == counted  # the counts came back with the steps: readable once closed
