@@ -288,8 +288,8 @@ class V1Engine(LLMEngine):
     def step_counts(self, out: SchedulerOutput) -> tuple[int, int, int, int]:  # type: ignore[override]
         """A decode is a request past its prompt (fed back the token it sampled, or its placeholder); every
         other token is a prompt's."""
-        # the running requests come first in ``scheduled``, in the order of their messages
-        decodes = sum(c.num_computed_tokens >= len(r.seqs[0].prompt_token_ids)
-                      for c, r in zip(out.scheduled_cached_reqs, out.scheduled))
+        # the running requests come first in ``scheduled``, in the order of their entries
+        decodes = sum(computed >= len(r.seqs[0].prompt_token_ids)
+                      for computed, r in zip(out.scheduled_cached_reqs.num_computed_tokens, out.scheduled))
         token, held = self.scheduler.kv_cache_manager.num_slots()
         return out.total_num_scheduled_tokens - decodes, decodes, token, held

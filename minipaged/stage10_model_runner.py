@@ -23,7 +23,7 @@ from minipaged.common.prompt_logprobs import prompt_logprob_positions
 from minipaged.models import CausalLM
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage7_model_runner import build_attention_metadata
-from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from minipaged.stage10_sched_output import NewRequestData, SchedulerOutput
 
 
 class InputBatch:
@@ -54,18 +54,19 @@ class InputBatch:
         self.num_tokens[row], self.num_blocks[row] = len(new.token_ids), len(new.block_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
 
-    def update_request(self, cached: CachedRequestData) -> None:
-        """Append what changed: the new tokens after the row's known tokens (``num_tokens``, whatever its
-        ``num_computed_tokens``, which only the runner moves), the new blocks after its blocks."""
-        row = self.row_of[cached.req_id]
+    def update_request(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: list[int]) -> None:
+        """Append what changed (a request's entry of ``CachedRequestData``): the new tokens after the row's
+        known tokens (``num_tokens``, whatever its ``num_computed_tokens``, which only the runner moves), the
+        new blocks after its blocks."""
+        row = self.row_of[req_id]
         # BEGIN SOLUTION write the new tokens and block ids after the row's last ones
         t = self.num_tokens[row]
-        self.token_ids[row, t:t + len(cached.new_token_ids)] = cached.new_token_ids
-        self.num_tokens[row] = t + len(cached.new_token_ids)
-        if cached.new_block_ids:  # most steps bring none: no numpy call for them
+        self.token_ids[row, t:t + len(new_token_ids)] = new_token_ids
+        self.num_tokens[row] = t + len(new_token_ids)
+        if new_block_ids:  # most steps bring none: no numpy call for them
             b = self.num_blocks[row]
-            self.block_table[row, b:b + len(cached.new_block_ids)] = cached.new_block_ids
-            self.num_blocks[row] = b + len(cached.new_block_ids)
+            self.block_table[row, b:b + len(new_block_ids)] = new_block_ids
+            self.num_blocks[row] = b + len(new_block_ids)
         # END SOLUTION
 
     def remove_request(self, req_id: Hashable) -> None:
@@ -171,8 +172,10 @@ class V1ModelRunner:
         for new in out.scheduled_new_reqs:
             batch.add_request(new)
         batch.spec_token_ids = out.scheduled_spec_decode_tokens
-        for cached in out.scheduled_cached_reqs:
-            batch.update_request(cached)
+        cached = out.scheduled_cached_reqs
+        for req_id, new_token_ids, new_block_ids in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids,
+                                                        strict=True):
+            batch.update_request(req_id, new_token_ids, new_block_ids)
         rows = np.fromiter((batch.row_of[r] for r in out.num_scheduled_tokens), np.int64, num_reqs)  # (num_reqs,)
         counts = np.fromiter(out.num_scheduled_tokens.values(), np.int64, num_reqs)  # (num_reqs,) tokens each
         # BEGIN SOLUTION flat positions from num_computed_tokens; ids, slots and tables by indexing the batch

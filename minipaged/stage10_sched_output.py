@@ -1,9 +1,10 @@
 """Stage 10 — what V1's scheduler tells its runner each step (vLLM's ``v1/core/sched/output.py``).
 
 The scheduler and the runner share no state: each step the scheduler sends a ``SchedulerOutput``.
-A request the runner has not seen comes whole (``NewRequestData``); one already in its
-persistent batch comes as what changed since its last step (``CachedRequestData``): the token
-sampled last, the blocks added. The rows of finished and preempted requests are named, to be
+A request the runner has not seen comes whole (``NewRequestData``); those already in its
+persistent batch come as what changed since their last step, all of them in one
+``CachedRequestData`` of lists, one entry per request, as vLLM's: the token sampled last, the
+blocks added, the tokens computed before the step. The rows of finished and preempted requests are named, to be
 dropped. Read the fields here first: stage 10's scheduler fills them, its runner applies them.
 Two fields stay empty until the scheduler holds a part that fills them, as in vLLM's
 ``SchedulerOutput``: ``scheduled_spec_decode_tokens`` and ``kv_connector_metadata``.
@@ -31,12 +32,26 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request already in the persistent batch: only what changed since its last step."""
+    """The requests already in the persistent batch, entry ``i`` of each list for ``req_ids[i]``: only what
+    changed since its last step. One object for all of them, as vLLM's (a request resumed after a
+    preemption comes afresh, as ``NewRequestData``, where vLLM marks it ``resumed_from_preemption``)."""
 
-    req_id: Hashable
-    new_token_ids: list[int]  # the token sampled last step, if known yet
-    new_block_ids: list[int]
-    num_computed_tokens: int = 0  # the request's tokens computed before this step (vLLM's field)
+    req_ids: list[Hashable] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # each: the token sampled last step, if known yet
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # each: its tokens computed before this step
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: list[int],
+            num_computed_tokens: int) -> None:
+        """One more request's entry in each list."""
+        self.req_ids.append(req_id)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass
@@ -45,7 +60,7 @@ class SchedulerOutput:
 
     num_scheduled_tokens: dict[Hashable, int] = field(default_factory=dict)  # in scheduling order
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     preempted_req_ids: list[Hashable] = field(default_factory=list)
     finished_req_ids: list[Hashable] = field(default_factory=list)  # since the last step
     scheduled: list[Request] = field(default_factory=list)

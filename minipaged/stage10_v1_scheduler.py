@@ -44,7 +44,7 @@ from minipaged.common.sequence import Sequence, SequenceStatus
 from minipaged.common.stats import SchedulerStats
 from minipaged.stage7_engine import Request
 from minipaged.stage10_kv_cache_manager import KVCacheManager
-from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from minipaged.stage10_sched_output import NewRequestData, SchedulerOutput
 
 
 def tokens_after(seq: Sequence, start: int) -> list[int]:
@@ -195,8 +195,9 @@ class V1Scheduler:
 
         At the end every scheduled request's ``num_computed_tokens`` grows by its ``n`` (V1 counts
         them computed as soon as they are scheduled). New requests go to the runner whole
-        (``NewRequestData``), running ones as differences (``CachedRequestData``), each message made
-        just before ``add_to_step`` records its request: that also makes the full blocks its ``n``
+        (``NewRequestData``), running ones as differences (an entry of the step's ``CachedRequestData``:
+        the tokens after those the runner holds, the new blocks, the tokens computed before the step),
+        each just before ``add_to_step`` records its request: that also makes the full blocks its ``n``
         tokens complete findable, at once, for the requests scheduled after it in the same step.
         """
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
@@ -219,8 +220,9 @@ class V1Scheduler:
                     break
             if new_blocks is None:
                 break  # it preempted itself: every older request is scheduled
-            out.scheduled_cached_reqs.append(CachedRequestData(
-                request.request_id, tokens_after(seq, self.num_tokens_sent[request.request_id]), new_blocks))
+            sent = self.num_tokens_sent[request.request_id]  # tokens of it the runner holds
+            out.scheduled_cached_reqs.add(request.request_id, tokens_after(seq, sent), new_blocks,
+                                          seq.num_computed_tokens)
             self.add_to_step(request, n, out)
             budget -= n
             i += 1
@@ -265,11 +267,9 @@ class V1Scheduler:
         # END SOLUTION
 
     def add_to_step(self, request: Request, n: int, out: SchedulerOutput) -> None:
-        """The request computes ``n`` tokens this step (its message to the runner is the last one made); the
-        full blocks they complete become findable now, for the requests scheduled after it."""
-        cached, seq, req_id = out.scheduled_cached_reqs, request.seqs[0], request.request_id
-        if cached and cached[-1].req_id == req_id:
-            cached[-1].num_computed_tokens = seq.num_computed_tokens
+        """The request computes ``n`` tokens this step; the full blocks they complete become findable now, for
+        the requests scheduled after it."""
+        seq, req_id = request.seqs[0], request.request_id
         out.num_scheduled_tokens[req_id] = n
         out.scheduled.append(request)
         self.num_tokens_sent[req_id] = len(seq)

@@ -37,7 +37,7 @@ from minipaged.common.sequence import Sequence
 from minipaged.common.stats import SpecDecodingStats
 from minipaged.stage7_engine import LLMEngine, Request
 from minipaged.stage10_model_runner import InputBatch
-from minipaged.stage10_sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from minipaged.stage10_sched_output import NewRequestData, SchedulerOutput
 from minipaged.stage10_v1_scheduler import V1Scheduler
 from minipaged.stage12_rejection_sampler import NgramProposer, RejectionSampler
 
@@ -53,24 +53,24 @@ class SpecInputBatch(InputBatch):
         self.num_drafts.pop(new.req_id, None)
         super().add_request(new)
 
-    def update_request(self, cached: CachedRequestData) -> None:
+    def update_request(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: list[int]) -> None:
         """Drop the row's drafts (the tokens the target kept arrive as new tokens), then append the
         update, then this step's drafts (``spec_token_ids``). After a verification the row's last
         token is not computed."""
-        row = self.row_of[cached.req_id]
+        row = self.row_of[req_id]
         # BEGIN SOLUTION roll back past the drafts; apply the update; computed = all but the last; add the drafts
-        verified = self.num_drafts.pop(cached.req_id, None)
+        verified = self.num_drafts.pop(req_id, None)
         if verified is not None:
             self.num_tokens[row] -= verified
-        super().update_request(cached)
+        super().update_request(req_id, new_token_ids, new_block_ids)
         if verified is not None:
             self.num_computed_tokens[row] = self.num_tokens[row] - 1
-        drafts = self.spec_token_ids.get(cached.req_id, [])
+        drafts = self.spec_token_ids.get(req_id, [])
         t = self.num_tokens[row]
         self.token_ids[row, t:t + len(drafts)] = drafts
         self.num_tokens[row] += len(drafts)
         if drafts:
-            self.num_drafts[cached.req_id] = len(drafts)
+            self.num_drafts[req_id] = len(drafts)
         # END SOLUTION
 
     def remove_request(self, req_id: Hashable) -> None:

@@ -370,7 +370,7 @@ def test_a_batch_queue_step_takes_its_placeholders_tokens_on_cuda(monkeypatch):
     steps.append(llm.scheduler.schedule())  # the first decodes, of tokens known on the host
     steps.append(llm.scheduler.schedule())  # one placeholder each: the token the step before samples
     assert [len(out.num_scheduled_tokens) for out in steps] == [3, 3, 3]
-    assert all(out.scheduled_cached_reqs[0].new_token_ids == [] for out in steps[2:])  # nothing new: placeholders
+    assert steps[2].scheduled_cached_reqs.new_token_ids == [[], [], []]  # nothing new: placeholders
     launches = Launches()
     monkeypatch.setattr(s5, "_prefill_kernel", launches.kernel("_prefill_kernel"))
     monkeypatch.setattr(s5, "_decode_v1_kernel", launches.kernel("_decode_v1_kernel"))

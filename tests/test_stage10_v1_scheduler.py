@@ -340,13 +340,14 @@ def test_a_running_request_reaches_the_runner_as_its_new_token_and_new_blocks_on
     scheduler = V1Scheduler(KVCacheManager(manager), max_num_batched_tokens=64, max_model_len=64)
     add(scheduler, "a", range(10, 14), max_tokens=6)
     _, out = step(scheduler)
-    assert [n.req_id for n in out.scheduled_new_reqs] == ["a"] and not out.scheduled_cached_reqs
-    _, out = step(scheduler)  # its first decode: token 7, into a new block
-    (cached,) = out.scheduled_cached_reqs
-    assert cached.new_token_ids == [7] and cached.new_block_ids == manager.get_block_table(
-        scheduler.running[0].seqs[0].seq_id)[1:]
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a"] and out.scheduled_cached_reqs.num_reqs == 0
+    _, out = step(scheduler)  # its first decode: token 7, into a new block; 4 tokens computed before the step
+    cached = out.scheduled_cached_reqs
+    assert cached.req_ids == ["a"] and cached.new_token_ids == [[7]] and cached.num_computed_tokens == [4]
+    assert cached.new_block_ids == [manager.get_block_table(scheduler.running[0].seqs[0].seq_id)[1:]]
     _, out = step(scheduler)
-    assert out.scheduled_cached_reqs[0].new_token_ids == [7] and out.scheduled_cached_reqs[0].new_block_ids == []
+    cached = out.scheduled_cached_reqs
+    assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == ([[7]], [[]], [5])
 
 
 def test_one_sequence_per_request_and_recompute_only():
@@ -378,11 +379,11 @@ def test_the_persistent_batch_appends_new_tokens_after_the_rows_known_tokens_not
     prefix caching or a chunk): the update goes after the known tokens; the computed count is the
     runner's to move, never the update's."""
     from minipaged.stage10_model_runner import InputBatch
-    from minipaged.stage10_sched_output import CachedRequestData, NewRequestData
+    from minipaged.stage10_sched_output import NewRequestData
 
     batch = InputBatch(max_num_reqs=2, max_model_len=32, max_blocks_per_req=8)
     batch.add_request(NewRequestData("r", [5, 6, 7, 8, 9], [3, 4], num_computed_tokens=2))
-    batch.update_request(CachedRequestData("r", [11, 12], [7]))
+    batch.update_request("r", [11, 12], [7])
     row = batch.row_of["r"]
     assert batch.token_ids[row, :7].tolist() == [5, 6, 7, 8, 9, 11, 12] and int(batch.num_tokens[row]) == 7
     assert batch.block_table[row, :3].tolist() == [3, 4, 7] and int(batch.num_blocks[row]) == 3

@@ -451,9 +451,9 @@ CATALOGUE: list[Mutant] = [
     m(10, "a chunk's positions start at 0", ("np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts)",
                                              "np.repeat(-(ends - counts), counts)")),
     m(10, "new blocks overwrite the row's last ones", (
-        "            self.num_blocks[row] = b + len(cached.new_block_ids)\n", "")),
+        "            self.num_blocks[row] = b + len(new_block_ids)\n", "")),
     m(10, "the sampled token never reaches the persistent batch", (
-        "        self.num_tokens[row] = t + len(cached.new_token_ids)\n",
+        "        self.num_tokens[row] = t + len(new_token_ids)\n",
         "")),
     m(10, "the persistent batch forgets what it computed", ("            batch.num_computed_tokens[rows] = seq_lens\n",
                                                             "")),

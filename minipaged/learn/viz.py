@@ -576,7 +576,8 @@ def plot_token_budget(outputs: list, budget: int, labels: dict | None = None, ax
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3), layout="constrained")
     for step, out in enumerate(outputs, start=1):
-        decodes = {c.req_id for c in out.scheduled_cached_reqs if c.new_token_ids}
+        cached = out.scheduled_cached_reqs
+        decodes = {r for r, new in zip(cached.req_ids, cached.new_token_ids, strict=True) if new}
         bottom = 0
         for req_id, n in out.num_scheduled_tokens.items():
             chunk = req_id not in decodes
