@@ -8,6 +8,10 @@
 * Each notebook page opens with a link to download the notebook. Links a notebook writes
   to a page's source (``../stages/1_block_allocator.md``) become links to the page.
   Notebook pages give the table of contents' room to the notebook.
+* A notebook's outputs stay out of the search index: the search finds what its cells and text
+  say, not the numbers a run printed. Those differ from run to run and from one CPU to
+  another, and lunr (the search's engine) can break on some sets of numeric words, so an
+  index without them is the same on every machine that builds the site.
 * Everything fits the column (``docs/stylesheets/extra.css`` does the rest): each line of
   a code block or text output becomes a ``<span class="line">`` of its own, so that a line
   too long for the column wraps under its own indentation, marked as a continuation; names
@@ -27,6 +31,8 @@ SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.S | re.I)
 EXTERNAL = re.compile(r"""["']https?://""", re.I)  # a quoted address: src="…", from "…", import("…")
 # nbconvert's own MathJax set-up (the site's replaces it) and embedded widget state.
 NOTEBOOK_SCRIPTS = ("text/x-mathjax-config", "widget-state+json", "widget-view+json")
+OUTPUT_WRAPPER = re.compile(r'<div class="jp-Cell-outputWrapper"')
+DIV = re.compile(r"<(/?)div\b[^>]*>", re.I)
 MD_LINK = re.compile(r'href="(?!https?:|#|/)([^"#]+)\.md(#[^"]*)?"')
 EMPTY_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=(\"\"|'')[^>]*>\s*</script>", re.I)
 ALTERNATE = re.compile(r'<link rel="alternate" href="[^"]*" hreflang="[^"]*">\s*')
@@ -138,12 +144,31 @@ def _is_chinese(page) -> bool:
     return any(str(path).endswith(".zh.md") for path in (page.file.src_uri, page.file.abs_src_path or ""))
 
 
+def _outputs_out_of_search(html: str) -> str:
+    """Each cell's outputs become a ``<section data-search-exclude>``. The search plugin skips a
+    marked element only until the first element of the same tag inside it closes, and an
+    output's wrapper holds other ``div``s; it holds no ``section``."""
+    start = OUTPUT_WRAPPER.search(html)
+    if start is None:
+        return html
+    depth = 0
+    for tag in DIV.finditer(html, start.start()):
+        depth += -1 if tag.group(1) else 1
+        if depth == 0:
+            opened = '<section class="jp-Cell-outputWrapper" data-search-exclude'
+            inside = html[start.end():tag.start()]  # the wrapper's attributes' end, and what it holds
+            rest = html[tag.end():]
+            return html[:start.start()] + opened + inside + "</section>" + _outputs_out_of_search(rest)
+    raise ValueError("a notebook output's <div> is never closed")
+
+
 def on_page_content(html: str, page, config, files):
     html = _breakable_names(close_cjk_spaces(html) if _is_chinese(page) else html)
     if not _is_notebook(page):
         return html
     page.meta.setdefault("hide", []).append("toc")
     html = MD_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(2) or ""}"', html)
+    html = _outputs_out_of_search(html)
     return _download_link(page) + html
 
 

@@ -522,6 +522,20 @@ def test_names_in_table_cells_may_break_after_punctuation_only():
         '<wbr>py</code></td><td><a href="x_y.html"><code>f(<wbr>a,<wbr> b)</code></a></td></tr></table>')
 
 
+def test_a_notebooks_outputs_are_marked_out_of_the_search_whole():
+    from material.plugins.search.plugin import Parser
+
+    hooks = _hooks()
+    html = ('<div class="jp-Cell"><pre>kept</pre><div class="jp-Cell-outputWrapper"><div class="a">'
+            '</div><div><pre>printed 1</pre><div>printed 2</div></div></div></div><p>after</p>')
+    marked = hooks._outputs_out_of_search(html)
+    parser = Parser()
+    parser.feed(marked)
+    text = " ".join("".join(section.text) for section in parser.data)
+    assert "kept" in text and "after" in text and "printed" not in text
+    assert hooks._text(marked) == hooks._text(html)
+
+
 # ---------------------------------------------------------------------------------------------
 # Two languages: English at the root, Chinese under zh/. A page written in Chinese
 # (docs/<path>.zh.md) is zh/<path>.html; any other page is the English one in the Chinese
@@ -599,6 +613,35 @@ def test_search_finds_pages_in_each_language(page, query, found, served, browser
     results = WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda b: b.execute_script(
         "return [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)"))
     assert f"{served}/{found}" in [result.split("#")[0] for result in results], results[:8]
+
+
+@docs
+def test_the_search_index_holds_no_notebook_output(site):
+    """What a run printed differs between runs and CPUs; the index is the same on every machine."""
+    index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+    indexed = {}
+    for doc in index["docs"]:
+        page = doc["location"].split("#")[0]
+        indexed[page] = indexed.get(page, "") + " " + _text_of(doc["text"])
+    printed = 0
+    for notebook in sorted((site / "tutorials").glob("*.ipynb")):
+        page = f"tutorials/{notebook.stem}.html"
+        html = (site / page).read_text(encoding="utf-8")
+        assert html.count('class="jp-Cell-outputWrapper"') == html.count(
+            '<section class="jp-Cell-outputWrapper" data-search-exclude'), page
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        source = " ".join("".join(cell["source"]) for cell in cells)  # what a cell or its text says
+        written = re.sub(r"\s+", " ", re.sub(r"[`*]", "", source))
+        for cell in cells:
+            for output in cell.get("outputs", []):
+                for line in "".join(output.get("text", [])).splitlines():
+                    line = re.sub(r"\s+", " ", line).strip()
+                    if len(line) >= 12 and re.search(r"\d", line) and line not in written:
+                        printed += 1
+                        assert line not in indexed[page], (page, line)
+                        assert line not in indexed[f"zh/{page}"], (page, line)
+    if not printed:
+        pytest.skip("the site was built from notebooks that were not run")
 
 
 CJK_CHAR = "[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]"
