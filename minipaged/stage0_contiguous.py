@@ -269,6 +269,7 @@ def dense_attention(
     value: torch.Tensor,
     scale: float | None = None,
     causal: bool = True,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain softmax attention over contiguous K/V, computed in float32.
 
@@ -277,8 +278,13 @@ def dense_attention(
     reads KV head ``h // (num_heads // num_kv_heads)``: MHA, GQA, MQA). With ``causal``,
     the queries are the *last* ``num_queries`` tokens: query ``i`` sees keys
     ``0 .. num_keys - num_queries + i``. Returns ``(num_queries, num_heads, head_dim)``
-    in the query's dtype; ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    in the query's dtype; ``scale`` defaults to ``1 / sqrt(head_dim)``. A ``sliding_window`` ``W``
+    (causal only) narrows what each query sees to its last ``W`` keys, itself included: query ``i``
+    at position ``p`` sees keys ``max(0, p - W + 1) .. p``, as a layer of Mistral or Gemma does.
     """
+    if sliding_window is not None and (not causal or sliding_window < 1):
+        raise ValueError(f"sliding_window: expected at least 1, with causal=True; got {sliding_window} "
+                         f"with causal={causal}")
     # BEGIN SOLUTION check shapes, expand KV heads, mask, softmax, weighted sum
     if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
@@ -304,6 +310,8 @@ def dense_attention(
         q_pos = torch.arange(num_q, device=query.device)[:, None] + (num_k - num_q)
         k_pos = torch.arange(num_k, device=query.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        if sliding_window is not None:  # nor what lies sliding_window or more tokens back
+            scores = scores.masked_fill(k_pos <= q_pos - sliding_window, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     # END SOLUTION

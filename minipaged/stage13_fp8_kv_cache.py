@@ -188,7 +188,7 @@ def paged_attention_fp8_ref(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float | None = None, query_start_loc: torch.Tensor | None = None, *,
     k_scale: float = 1.0, v_scale: float = 1.0, validate: bool = True, max_query_len: int | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Stage 4's ``paged_attention_ref`` over e4m3 caches: the step's blocks dequantised (``k_scale``,
     ``v_scale``), then attended in float32; the shape and dtype of ``query``. Other arguments as stage 4's."""
@@ -198,7 +198,8 @@ def paged_attention_fp8_ref(
     keys, values, tables = dequantized_blocks(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
                                               max_seq_len)
     out = paged_attention_ref(query.float(), keys, values, tables, seq_lens, scale, query_start_loc,
-                              validate=False, max_query_len=max_query_len, max_seq_len=max_seq_len)
+                              validate=False, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                              sliding_window=sliding_window)
     return out.to(query.dtype)
 
 
@@ -206,7 +207,7 @@ def paged_attention_fp8_triton(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float | None = None, query_start_loc: torch.Tensor | None = None, *,
     k_scale: float = 1.0, v_scale: float = 1.0, validate: bool = True, version: str = "auto",
-    max_query_len: int | None = None, max_seq_len: int | None = None,
+    max_query_len: int | None = None, max_seq_len: int | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Stage 5's kernels on e4m3 caches: each tile is widened in registers, ``k_scale`` joins the softmax
     scale and ``v_scale`` multiplies the output. Equal to ``paged_attention_fp8_ref`` (within float32's
@@ -217,7 +218,8 @@ def paged_attention_fp8_triton(
         check_fp8_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                  k_scale, v_scale)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    lengths = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)  # the engine's host numbers
+    lengths = dict(max_query_len=max_query_len, max_seq_len=max_seq_len,  # the engine's host numbers
+                   sliding_window=sliding_window)
     # BEGIN SOLUTION fold the scales out of the kernel: k_scale into the softmax scale, v_scale onto the output
     out = paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, scale * k_scale,
                                  query_start_loc, version=version, validate=False, **lengths)

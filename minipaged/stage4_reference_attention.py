@@ -23,6 +23,10 @@ The arguments are vLLM's:
 * ``seq_lens`` — int32 ``(num_seqs,)``: tokens of context, the new ones included (their
   K/V are already written into the cache).
 
+``sliding_window`` — a layer that attends to a window (Mistral, Gemma, gpt-oss): a query at
+position ``p`` reads keys ``max(0, p - sliding_window + 1) .. p`` only; the blocks before a
+sequence's window are never read, so its table may name any block there.
+
 ``check_paged_attention_args`` is shared with stage 5: a wrong shape, dtype or device, a
 ``seq_len`` beyond what the block table holds, or a block id outside the cache is a
 ``ValueError`` naming the argument and what was expected.
@@ -87,6 +91,14 @@ def check_paged_attention_args(
                              num_tokens=query.shape[0], num_blocks=num_blocks, block_size=block_size)
 
 
+def check_sliding_window(sliding_window: int | None) -> int | None:
+    """``sliding_window`` itself, or ``ValueError`` when it is not a positive int (or None: no window)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        _fail("sliding_window", "a positive int, or None for none", sliding_window)
+    return sliding_window
+
+
 def check_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray | None, *,
                              num_tokens: int, num_blocks: int, block_size: int) -> None:
     """The checks that read the metadata's values, on host arrays: ``query_start_loc`` from 0 to
@@ -117,6 +129,7 @@ def check_attention_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, que
 def decode_attention_batched(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode for a whole batch at once: gather every sequence, padded to the longest, and mask.
 
@@ -129,7 +142,8 @@ def decode_attention_batched(
     head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to
     ``1 / sqrt(head_dim)``. It equals stage 0's ``dense_attention`` on each sequence's K/V.
     ``max_seq_len``, the longest ``seq_len``, is the engine's host copy: without it, it is read
-    from ``seq_lens``, which on a GPU waits for the device.
+    from ``seq_lens``, which on a GPU waits for the device. With ``sliding_window``, only each
+    sequence's last ``sliding_window`` positions are in use, and a block with none of them is never read.
     """
     # BEGIN SOLUTION gather (num_seqs, max_len, kv_heads, dim) through the tables, mask, attend
     num_seqs, num_heads, head_dim = query.shape
@@ -138,8 +152,10 @@ def decode_attention_batched(
     width = -(-max_len // block_size)
     positions = torch.arange(width * block_size, device=query.device)
     in_use = positions[None, :] < seq_lens[:, None]  # (num_seqs, width * block_size)
+    if sliding_window is not None:  # and not before the window
+        in_use &= positions[None, :] >= seq_lens[:, None] - sliding_window
     ids = block_tables[:, :width].long()
-    ids = torch.where(in_use[:, ::block_size], ids, 0)  # entries past a sequence are never trusted
+    ids = torch.where(in_use.view(num_seqs, width, block_size).any(-1), ids, 0)  # other entries: never trusted
     shape = (num_seqs, width * block_size, num_kv_heads, head_dim)
     inside = in_use.view(num_seqs, -1, 1, 1)  # slots past a sequence may hold anything, NaN too: zeroed, as vLLM
     keys = torch.where(inside, key_cache.index_select(0, ids.flatten()).view(shape), 0)  # key_cache[ids], faster
@@ -165,6 +181,7 @@ def paged_attention_ref(
     validate: bool = True,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over each sequence's K/V in the paged cache; shape of ``query``.
 
@@ -179,9 +196,11 @@ def paged_attention_ref(
     """
     if validate:
         check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    window = dict(sliding_window=check_sliding_window(sliding_window))
     # BEGIN SOLUTION batch the one-query sequences; gather and attend causally for the others
     if query_start_loc is None:
-        return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+        return decode_attention_batched(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                                        **window)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -190,11 +209,14 @@ def paged_attention_ref(
         single_rows = torch.tensor([starts[i] for i in single], device=query.device)
         picked = torch.tensor(single, device=query.device)
         out[single_rows] = decode_attention_batched(query[single_rows], key_cache, value_cache, block_tables[picked],
-                                                    seq_lens[picked], scale, max_seq_len)
+                                                    seq_lens[picked], scale, max_seq_len, **window)
+    block_size = key_cache.shape[1]
     for i, seq_len in enumerate(seq_lens.tolist()):
         if query_lens[i] > 1:
-            keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
+            first = 0 if sliding_window is None else max(0, seq_len - query_lens[i] - sliding_window + 1)
+            skipped = first // block_size  # whole blocks before the first query's window: never read
+            keys, values = gather_kv(key_cache, value_cache, block_tables[i, skipped:], seq_len - skipped * block_size)
             rows = slice(starts[i], starts[i + 1])
-            out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)
+            out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True, **window)
     return out
     # END SOLUTION

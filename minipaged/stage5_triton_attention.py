@@ -52,9 +52,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from minipaged.stage4_reference_attention import check_paged_attention_args  # noqa: E402
+from minipaged.stage4_reference_attention import check_paged_attention_args, check_sliding_window  # noqa: E402
 
 PARTITION_SIZE = 512  # tokens of context per program in v2
+WHOLE_CONTEXT = 2**30  # the window of a layer without one: longer than any context
 VERSIONS = ("v1", "v2")  # the decode kernels; version="auto" chooses one by use_v1
 
 
@@ -93,7 +94,7 @@ def _online_softmax(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr)
 
 @triton.jit
 def _decode_v1_kernel(
-    out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+    out, query, key_cache, value_cache, block_tables, seq_lens, scale, window,
     s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_bt, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -111,7 +112,7 @@ def _decode_v1_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     table_row = block_tables + seq * s_bt
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(tl.maximum(seq_len - window, 0), seq_len, BLOCK_N):  # the window's first token on
         pos = start + tl.arange(0, BLOCK_N)  # token positions of this tile
         valid = pos < seq_len
         k = _load_tile(key_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
@@ -124,7 +125,7 @@ def _decode_v1_kernel(
 
 @triton.jit
 def _decode_v2_partial_kernel(
-    tmp_acc, tmp_m, tmp_l, query, key_cache, value_cache, block_tables, seq_lens, scale,
+    tmp_acc, tmp_m, tmp_l, query, key_cache, value_cache, block_tables, seq_lens, scale, window,
     s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, block_size, num_heads, max_parts,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PRECISION: tl.constexpr,
@@ -144,7 +145,7 @@ def _decode_v2_partial_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     end = tl.minimum(part * PARTITION + PARTITION, seq_len)  # empty partitions skip the loop
     table_row = block_tables + seq * s_bt
-    for start in range(part * PARTITION, end, BLOCK_N):
+    for start in range(tl.maximum(part * PARTITION, seq_len - window), end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = _load_tile(key_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
@@ -182,12 +183,12 @@ def _decode_v2_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+    out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
     s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_bt, block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # BEGIN SOLUTION a tile of one sequence's queries; causal: query i sees positions <= context + i
+    # BEGIN SOLUTION a tile of one sequence's queries; query i sees context + i - window + 1 .. context + i
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -204,14 +205,17 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # the first query's window starts at lo; each row's first visible key is in the first tile (BLOCK_M <= BLOCK_N)
+    lo = tl.maximum(context + tile * BLOCK_M - window + 1, 0)
     hi = tl.where(tile * BLOCK_M < q_len, tl.minimum(seq_len, context + (tile + 1) * BLOCK_M), 0)
     table_row = block_tables + seq * s_bt
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < seq_len
         k = _load_tile(key_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
         v = _load_tile(value_cache, table_row, pos, valid, kv_head, offs_d, block_size, s_kb, s_ks, s_kh, HEAD_DIM)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, on absolute positions
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)  # causal, windowed
+        visible = valid[None, :] & seen
         m, l, acc = _online_softmax(q, k, v, visible, m, l, acc, scale, PRECISION)
     result = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows past the last query have no keys
     o_ptrs = out + (q_start + offs_m)[:, None] * s_ot + head * s_oh + offs_d[None, :]
@@ -244,6 +248,7 @@ def paged_attention_triton(
     validate: bool = True,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Stage 4's ``paged_attention_ref``, computed by Triton kernels; same arguments, same result.
 
@@ -253,7 +258,8 @@ def paged_attention_triton(
     ``block_tables`` back to the host. ``max_query_len`` and ``max_seq_len`` are the engine's host
     copies (vLLM's names): the grid needs the first, ``"auto"`` the second. Without them the first is
     read back from the device, and the second bounded by the block tables' width, so that given
-    both, no call waits for the device.
+    both, no call waits for the device. With ``sliding_window``, each kernel starts its loop at the
+    window's first token: no tile before it is read, so its blocks may be gone from the tables.
     """
     if version not in (*VERSIONS, "auto"):
         raise ValueError(f"version: expected one of {(*VERSIONS, 'auto')}, got {version!r}")
@@ -267,6 +273,7 @@ def paged_attention_triton(
     if num_seqs == 0 or query.shape[0] == 0:
         return out
     consts, scale, (s_kb, s_ks, s_kh) = _common(query, key_cache, scale)
+    window = check_sliding_window(sliding_window) or WHOLE_CONTEXT
     block_size, s_bt = key_cache.shape[1], block_tables.stride(0)
     qo_strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1))
     if query_start_loc is not None:
@@ -274,7 +281,7 @@ def paged_attention_triton(
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
         grid = (num_seqs, num_heads, triton.cdiv(max_query_len, 32 if consts["HEAD_DIM"] <= 128 else 16))
         _prefill_kernel[grid](out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                              scale, *qo_strides, s_kb, s_ks, s_kh, s_bt, block_size,
+                              scale, window, *qo_strides, s_kb, s_ks, s_kh, s_bt, block_size,
                               BLOCK_M=32 if consts["HEAD_DIM"] <= 128 else 16, **consts)
         return out
     group = consts["GROUP"]
@@ -285,7 +292,7 @@ def paged_attention_triton(
         version = "v1" if use_v1(num_seqs, num_heads, longest) else "v2"
     if version == "v1":
         _decode_v1_kernel[(num_seqs, num_kv_heads)](
-            out, query, key_cache, value_cache, block_tables, seq_lens, scale, *qo_strides,
+            out, query, key_cache, value_cache, block_tables, seq_lens, scale, window, *qo_strides,
             s_kb, s_ks, s_kh, s_bt, block_size, GROUP_PAD=group_pad, **consts)
         return out
     max_parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION_SIZE)
@@ -294,7 +301,7 @@ def paged_attention_triton(
     tmp_m = torch.empty(num_seqs, num_heads, max_parts, dtype=torch.float32, device=query.device)
     tmp_l = torch.empty_like(tmp_m)
     _decode_v2_partial_kernel[(num_seqs, num_kv_heads, max_parts)](
-        tmp_acc, tmp_m, tmp_l, query, key_cache, value_cache, block_tables, seq_lens, scale,
+        tmp_acc, tmp_m, tmp_l, query, key_cache, value_cache, block_tables, seq_lens, scale, window,
         query.stride(0), query.stride(1), s_kb, s_ks, s_kh, s_bt, block_size, num_heads, max_parts,
         GROUP_PAD=group_pad, PARTITION=PARTITION_SIZE, **consts)
     _decode_v2_reduce_kernel[(num_seqs, num_heads)](

@@ -41,3 +41,24 @@ def make_paged_inputs(heads, kv_heads, head_dim, block_size, seq_lens, query_len
             torch.tensor(seq_lens, dtype=torch.int32, device=device),
             None if query_start_loc is None else query_start_loc.to(device))
     return args, [(k.to(**cast), v.to(**cast), r) for (k, v), r in zip(contiguous, rows, strict=True)]
+
+
+def before_the_window_as_nan(args, sliding_window, query_lens=None):
+    """``args`` whose tables name, for each sequence, a block of NaN in place of every whole block
+    before its first query's window: blocks a windowed attention must never read."""
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc = args
+    nan = torch.full_like(key_cache[:1], float("nan"))
+    key_cache, value_cache = torch.cat([key_cache, nan]), torch.cat([value_cache, nan])
+    block_tables, block_size = block_tables.clone(), key_cache.shape[1]
+    for row, length in enumerate(seq_lens.tolist()):
+        window_start = max(0, length - (1 if query_lens is None else query_lens[row]) - sliding_window + 1)
+        block_tables[row, : window_start // block_size] = key_cache.shape[0] - 1
+    return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+
+
+def windowed_dense(query, contiguous, sliding_window):
+    """Stage 0's attention with a window, sequence by sequence: what every paged path must equal."""
+    from minipaged.stage0_contiguous import dense_attention
+
+    return torch.cat([dense_attention(query[rows], keys, values, causal=True, sliding_window=sliding_window)
+                      for keys, values, rows in contiguous])

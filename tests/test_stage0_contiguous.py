@@ -124,6 +124,27 @@ def test_dense_attention_matches_torch_sdpa(heads, num_q, num_k):
                                **tolerances.attention(q, k, v, num_k, scale=0.3))
 
 
+@pytest.mark.parametrize("window", [1, 3, 7, 11, 50])
+@pytest.mark.parametrize("num_q,num_k", [(7, 7), (1, 9), (4, 11)])
+def test_a_sliding_window_shows_each_query_its_last_keys_only(window, num_q, num_k):
+    """Query i, at position p = num_k - num_q + i, sees keys max(0, p - window + 1) .. p: what it
+    sees attending causally to those keys alone."""
+    torch.manual_seed(window)
+    q = torch.randn(num_q, 8, 16)
+    k, v = torch.randn(2, num_k, 2, 16)
+    out = dense_attention(q, k, v, sliding_window=window)
+    for i in range(num_q):
+        p = num_k - num_q + i
+        first = max(0, p - window + 1)
+        alone = dense_attention(q[i : i + 1], k[first : p + 1], v[first : p + 1])
+        torch.testing.assert_close(out[i : i + 1], alone, **tolerances.attention(q, k, v, num_k))
+    if window >= num_k:
+        torch.testing.assert_close(out, dense_attention(q, k, v), rtol=0, atol=0)
+    for bad in (dict(sliding_window=0), dict(sliding_window=2, causal=False)):
+        with pytest.raises(ValueError):
+            dense_attention(q, k, v, **bad)
+
+
 def test_dense_attention_keeps_dtype_and_rejects_bad_shapes():
     q = torch.randn(2, 4, 8, dtype=torch.float16)
     k = torch.randn(3, 2, 8, dtype=torch.float16)

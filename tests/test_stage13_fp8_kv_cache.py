@@ -257,6 +257,22 @@ def test_the_prefill_kernel_over_fp8_equals_the_reference():
     torch.testing.assert_close(got, want, **tolerances.attention(fp8[0], keys, values, max(CASES[2][4])))
 
 
+@pytest.mark.parametrize("backend", ["ref", "v1", "v2", "prefill"])
+def test_a_sliding_window_over_fp8_equals_stage_4s_window_over_the_dequantised_values(backend):
+    """A layer's window reaches the FP8 paths: both attend to the window alone, as stage 4 does."""
+    k_scale, v_scale, window = 0.02, 0.03, 6
+    case = CASES[2] if backend == "prefill" else CASES[1]
+    fp8, _, _ = quantised_inputs(*case, k_scale, v_scale)
+    keys, values = dequantize_fp8(fp8[1], k_scale), dequantize_fp8(fp8[2], v_scale)
+    want = paged_attention_ref(fp8[0], keys, values, *fp8[3:5], query_start_loc=fp8[5], sliding_window=window)
+    path = paged_attention_fp8_ref if backend == "ref" else paged_attention_fp8_triton
+    kwargs = {"version": backend} if backend in ("v1", "v2") else {}
+    got = call(path, fp8, k_scale=k_scale, v_scale=v_scale, sliding_window=window, **kwargs)
+    torch.testing.assert_close(got, want, **tolerances.attention(fp8[0], keys, values, window))
+    whole = call(path, fp8, k_scale=k_scale, v_scale=v_scale, **kwargs)
+    assert not torch.allclose(got, whole)  # the window changed what was attended to
+
+
 # --- the engine
 
 

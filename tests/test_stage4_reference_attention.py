@@ -3,7 +3,7 @@
 import helpers_tolerances as tolerances
 import pytest
 import torch
-from helpers_attention import make_paged_inputs
+from helpers_attention import before_the_window_as_nan, make_paged_inputs, windowed_dense
 
 from minipaged.stage0_contiguous import dense_attention
 from minipaged.stage4_reference_attention import decode_attention_batched, paged_attention_ref
@@ -58,6 +58,21 @@ def test_variable_length_queries_are_causal_and_aligned_to_the_end(seq_lens, que
         k, v, _ = contiguous[0]
         torch.testing.assert_close(out[first.stop - 1], dense_attention(args[0][first.stop - 1 : first.stop], k, v)[0],
                                    **tolerances.paged_attention(args))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 5000])
+@pytest.mark.parametrize("query_lens,seq_lens", [(None, [1, 16, 17, 300, 1200]),
+                                                 ([40, 30, 1, 5, 0], [40, 90, 70, 20, 9])], ids=["decode", "varlen"])
+def test_a_sliding_window_reads_only_the_blocks_it_sees(window, query_lens, seq_lens):
+    """A query at position p attends to keys max(0, p - window + 1) .. p; a whole block before a
+    sequence's window is never read (here: a block of NaN stands in for it)."""
+    args, contiguous = make_paged_inputs(8, 2, 64, 16, seq_lens, query_lens, seed=window)
+    poisoned = before_the_window_as_nan(args, window, query_lens)
+    out = paged_attention_ref(*poisoned[:5], query_start_loc=poisoned[5], sliding_window=window)
+    torch.testing.assert_close(out, windowed_dense(args[0], contiguous, window), **tolerances.paged_attention(args))
+    for bad in (0, -3, 2.5, True, "8"):  # not a positive int
+        with pytest.raises(ValueError):
+            paged_attention_ref(*args[:5], query_start_loc=args[5], sliding_window=bad)
 
 
 def widened(args, contiguous):

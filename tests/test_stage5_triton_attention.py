@@ -14,7 +14,7 @@ from pathlib import Path
 import helpers_tolerances as tolerances
 import pytest
 import torch
-from helpers_attention import make_paged_inputs
+from helpers_attention import before_the_window_as_nan, make_paged_inputs
 
 from minipaged.stage4_reference_attention import paged_attention_ref
 
@@ -92,6 +92,22 @@ def test_prefill_kernel_equals_the_reference(heads, kv_heads, head_dim, block_si
     args, _ = make_paged_inputs(heads, kv_heads, head_dim, block_size, seq_lens, query_lens, seed=5)
     expected = paged_attention_ref(*args[:5], query_start_loc=args[5])
     out = paged_attention_triton(*args[:5], query_start_loc=args[5])
+    torch.testing.assert_close(out, expected, **tolerances.paged_attention(args))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "prefill"])
+@pytest.mark.parametrize("window", [1, 40, 600])
+def test_kernels_with_a_sliding_window_equal_the_reference_and_skip_the_blocks_before_it(window, version):
+    """Each kernel starts its loop at the window's first token: a block before it is never read."""
+    if version == "prefill":
+        seq_lens, query_lens = [40, 700, 70, 20], [40, 100, 1, 5]
+    else:
+        seq_lens, query_lens = [1, 17, 300, PARTITION_SIZE + 77, 1200], None
+    args, _ = make_paged_inputs(8, 2, 64, 16, seq_lens, query_lens, seed=window)
+    poisoned = before_the_window_as_nan(args, window, query_lens)
+    expected = paged_attention_ref(*args[:5], query_start_loc=args[5], sliding_window=window)
+    kwargs = {} if version == "prefill" else {"version": version}
+    out = paged_attention_triton(*poisoned[:5], query_start_loc=poisoned[5], sliding_window=window, **kwargs)
     torch.testing.assert_close(out, expected, **tolerances.paged_attention(args))
 
 

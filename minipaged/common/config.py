@@ -208,10 +208,6 @@ class EngineConfig:
         num_gpu_blocks = self.num_gpu_blocks or max(
             1, kv_cache_memory // (self.block_size * model_config.kv_bytes_per_token(self.kv_cache_torch_dtype)))
         max_model_len = self.max_model_len or min(positions, num_gpu_blocks * self.block_size)
-        window = model_config.sliding_window
-        if window and max_model_len > window:
-            raise ValueError(f"this model uses sliding-window attention beyond {window} tokens, "
-                             f"which minipaged does not implement: pass max_model_len <= {window}")
         num_cpu_blocks = self.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_gpu_blocks if self.preemption_mode == "swap" else 0

@@ -88,6 +88,9 @@ CATALOGUE: list[Mutant] = [
     m(0, "internal counts the reserved slots too", (
         "internal = sum(s.size - max(s.need, s.num_tokens) for s in self.slabs.values())",
         "internal = sum(s.size - s.num_tokens for s in self.slabs.values())")),
+    m(0, "the window keeps one key too many", ("k_pos <= q_pos - sliding_window", "k_pos < q_pos - sliding_window")),
+    m(0, "the window is ignored", ("        if sliding_window is not None:  # nor what lies",
+                                   "        if False:  # nor what lies")),
     m(0, "the causal mask is shifted by one", ("scores = scores.masked_fill(k_pos > q_pos, float(\"-inf\"))",
                                               "scores = scores.masked_fill(k_pos >= q_pos, float(\"-inf\"))")),
     m(0, "grouped heads repeat the wrong way", ("k = key.float().repeat_interleave(group, dim=1)",
@@ -209,12 +212,22 @@ CATALOGUE: list[Mutant] = [
         "q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)",
         "q = query.float().view(num_seqs, num_heads // num_kv_heads, num_kv_heads, head_dim).transpose(1, 2)")),
     m(4, "variable length ignores scale", (
-        "out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
-        "out[rows] = dense_attention(query[rows], keys, values, causal=True)")),
-    m(4, "prefill is not causal", ("out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True)",
-                                  "out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=False)")),
+        "out[rows] = dense_attention(query[rows], keys, values, scale=scale, causal=True, **window)",
+        "out[rows] = dense_attention(query[rows], keys, values, causal=True, **window)")),
+    m(4, "prefill is not causal", ("keys, values, scale=scale, causal=True, **window)",
+                                  "keys, values, scale=scale, causal=False)")),
+    m(4, "batched decode ignores the window", ("in_use &= positions[None, :] >= seq_lens[:, None] - sliding_window",
+                                               "in_use = in_use")),
+    m(4, "a block is trusted by its first slot only", ("in_use.view(num_seqs, width, block_size).any(-1)",
+                                                       "in_use[:, ::block_size]")),
+    m(4, "prefill reads the blocks before the window", ("skipped = first // block_size", "skipped = 0")),
+    m(4, "prefill skips the block the window starts in", ("skipped = first // block_size",
+                                                          "skipped = -(-first // block_size)")),
+    m(4, "prefill measures the window from the last query", (
+        "max(0, seq_len - query_lens[i] - sliding_window + 1)", "max(0, seq_len - sliding_window)")),
     m(4, "single queries keep the wrong tables", ("block_tables[picked],\n", "block_tables[: len(single)],\n")),
-    m(4, "trusts table entries past a sequence", ("ids = torch.where(in_use[:, ::block_size], ids, 0)", "ids = ids")),
+    m(4, "trusts table entries past a sequence", (
+        "ids = torch.where(in_use.view(num_seqs, width, block_size).any(-1), ids, 0)", "ids = ids")),
     m(4, "the slots past a sequence are masked, not zeroed", (
         "values = torch.where(inside, value_cache.index_select(0, ids.flatten()).view(shape), 0)",
         "values = value_cache.index_select(0, ids.flatten()).view(shape)")),
@@ -226,8 +239,21 @@ CATALOGUE: list[Mutant] = [
     m(5, "acc is not rescaled", ("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")),
     m(5, "tile offset uses the block id", ("rows = block * s_kb + (pos % block_size) * s_ks + kv_head * s_kh",
                                           "rows = block * s_kb + (pos // block_size) * s_ks + kv_head * s_kh")),
-    m(5, "the prefill mask is strict", ("visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])",
-                                       "visible = valid[None, :] & (pos[None, :] < q_pos[:, None])")),
+    m(5, "the prefill mask is strict", ("seen = (pos[None, :] <= q_pos[:, None])",
+                                       "seen = (pos[None, :] < q_pos[:, None])")),
+    m(5, "the prefill window sees one key too many", ("(pos[None, :] > q_pos[:, None] - window)",
+                                                      "(pos[None, :] >= q_pos[:, None] - window)")),
+    m(5, "prefill reads the context before its tile's window", ("for start in range(lo, hi, BLOCK_N):",
+                                                                "for start in range(0, hi, BLOCK_N):")),
+    m(5, "decode (v1) reads the context before the window", (
+        "for start in range(tl.maximum(seq_len - window, 0), seq_len, BLOCK_N):",
+        "for start in range(0, seq_len, BLOCK_N):")),
+    m(5, "decode (v1) starts the window one token late", (
+        "for start in range(tl.maximum(seq_len - window, 0), seq_len, BLOCK_N):",
+        "for start in range(tl.maximum(seq_len - window + 1, 0), seq_len, BLOCK_N):")),
+    m(5, "split-KV (v2) reads the context before the window", (
+        "range(tl.maximum(part * PARTITION, seq_len - window), end, BLOCK_N)",
+        "range(part * PARTITION, end, BLOCK_N)")),
     m(5, "reduce ignores the partitions' l weights", (
         "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight * l, 0)",
         "result = tl.sum(weight[:, None] * acc, 0) / tl.sum(l, 0)")),

@@ -10,6 +10,7 @@ import torch
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' and vLLM's names
 
 
 @dataclass
@@ -32,7 +33,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the layers that slide
+    layer_types: tuple[str, ...] = ()  # per layer, "sliding_attention" or "full_attention"; () when none slides
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -62,10 +64,23 @@ class ModelConfig:
         if hf.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor other than 1.0 is not supported")
         window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None
+        layers = hf["num_hidden_layers"]
+        if window is None:
+            layer_types: tuple[str, ...] = ()
+        elif model_type == "mistral":  # every layer slides (transformers' Mistral reads no layer_types)
+            layer_types = ("sliding_attention",) * layers
+        else:  # Qwen2/3: layer_types, else the layers from max_window_layers on
+            first = hf.get("max_window_layers", 28)  # transformers' default
+            layer_types = tuple(hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                                          for i in range(layers)])
+        if len(layer_types) not in (0, layers) or set(layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"layer_types: expected {layers} of {LAYER_TYPES}, got {list(layer_types)}")
+        if "sliding_attention" not in layer_types:
+            window, layer_types = None, ()
         attention_bias = hf.get("attention_bias", False)
         return cls(
             model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
             hidden_act=hf.get("hidden_act", "silu"),
@@ -73,8 +88,12 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias,
             mlp_bias=hf.get("mlp_bias", False), qk_norm=model_type == "qwen3",
             rope_theta=float(theta), rope_scaling={**rope, "rope_type": rope_type},
-            sliding_window=window, eos_token_ids=eos_ids,
+            sliding_window=window, layer_types=layer_types, eos_token_ids=eos_ids,
         )
+
+    def window_of(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends to (transformers' and vLLM's ``sliding_window``); None: all."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE's inverse frequencies, ``(head_dim // 2,)`` float32, with the config's scaling."""

@@ -84,8 +84,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write the new K/V into the paged cache (stage 2's ``write``), then attend over each context.
+def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Write the new K/V into the paged cache (stage 2's ``write``), then attend over each context,
+    or over its last ``sliding_window`` tokens in a layer that slides.
 
     ``cache`` is a ``PagedKVCache``: per layer, ``key_cache`` / ``value_cache`` of shape
     ``(num_blocks, block_size, num_kv_heads, head_dim)``.
@@ -93,7 +95,8 @@ def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: 
     cache.write(layer, meta.slot_mapping, k, v, checked=True)  # checked once, on the host, when meta was built
     return meta.backend(q, cache.key_cache[layer], cache.value_cache[layer], meta.block_tables, meta.seq_lens,
                         scale=scale, query_start_loc=meta.query_start_loc, validate=False,
-                        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+                        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                        sliding_window=sliding_window)
 
 
 class LlamaAttention(nn.Module):
@@ -117,7 +120,7 @@ class LlamaAttention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(q, k, v, cache, layer, meta, c.head_dim**-0.5)
+        out = paged_attention(q, k, v, cache, layer, meta, c.head_dim**-0.5, c.window_of(layer))
         return self.o_proj(out.reshape(len(x), -1))
 
 

@@ -1,0 +1,115 @@
+"""Models whose layers attend to a sliding window: the windows read from the config, and the
+engine equal to transformers on prompts longer than the window, under the features that change
+what a step attends over (chunks, preemption, cached prefixes, the kernels, tensor parallelism,
+drafts, async scheduling)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers_checkpoints import save_random_checkpoints
+from test_stage7_engine import assert_equal_to_hf
+from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
+
+from minipaged import LLM, SamplingParams
+from minipaged.models.config import ModelConfig
+
+pytestmark = pytest.mark.common
+
+WINDOW = 8
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+MODELS = {  # a full layer, then two that slide; every layer sliding
+    "mixed": ("Qwen2Config", dict(COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "sliding": ("MistralConfig", dict(COMMON, sliding_window=WINDOW)),
+}
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers
+
+    paths = save_random_checkpoints(tmp_path_factory, MODELS)
+    return {name: (path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+            for name, path in paths.items()}
+
+
+def prompts(seed=0, lengths=(3, 21, 37, 9)):
+    """Prompts shorter and longer than the window: the last ones slide past it in the prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def tokens(llm, batch, params=GREEDY):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("hf, layer_types", [
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2),
+     ("full_attention",) * 2 + ("sliding_attention",) * 2),
+    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=8,
+          layer_types=["sliding_attention", "full_attention"] * 2), ("sliding_attention", "full_attention") * 2),
+    (dict(model_type="mistral", sliding_window=8), ("sliding_attention",) * 4),
+    (dict(model_type="mistral", sliding_window=None), ()),
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=8), ()),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=4), ()),
+    (dict(model_type="llama", sliding_window=8), ()),
+], ids=["qwen2-from-max_window_layers", "qwen3-layer_types", "mistral", "mistral-none", "qwen2-off",
+        "qwen2-no-layer-past-max", "llama"])
+def test_each_layers_window_is_read_from_the_config_as_transformers_reads_it(hf, layer_types):
+    config = ModelConfig.from_hf({**dict(COMMON, num_hidden_layers=4), **hf})
+    assert config.layer_types == layer_types
+    windows = [config.window_of(layer) for layer in range(4)]
+    assert windows == [8 if t == "sliding_attention" else None for t in layer_types or ["full_attention"] * 4]
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 3, ["sliding_attention", "chunked_attention"] * 2])
+def test_layer_types_that_do_not_fit_the_model_are_refused(layer_types):
+    with pytest.raises(ValueError):
+        ModelConfig.from_hf(dict(COMMON, num_hidden_layers=4, model_type="qwen2", use_sliding_window=True,
+                                 sliding_window=8, layer_types=layer_types))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_sliding_window_model_equals_transformers_past_its_window(checkpoints, name, tmp_path):
+    path, hf_model = checkpoints[name]
+    llm = LLM(path, num_gpu_blocks=64, block_size=4)
+    assert_equal_to_hf(llm, hf_model, prompts(), steps=20)
+    shutil.copytree(path, tmp_path / "full")  # the same weights, no layer sliding
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    config.update(sliding_window=None, layer_types=["full_attention"] * config["num_hidden_layers"])
+    (tmp_path / "full" / "config.json").write_text(json.dumps(config))
+    full = LLM(str(tmp_path / "full"), num_gpu_blocks=64, block_size=4)
+    assert tokens(full, prompts()) != tokens(llm, prompts())  # the window changed what was attended to
+
+
+@pytest.mark.parametrize("features", [
+    dict(max_num_batched_tokens=6),  # prompts in chunks smaller than the window
+    dict(num_gpu_blocks=24, max_model_len=64),  # preempted and recomputed
+    dict(enable_prefix_caching=True),
+    dict(attention_backend="triton"),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    dict(async_scheduling=True),
+    dict(stage=7),  # V0's scheduler
+], ids=["chunked", "preempted", "prefix-cached", "triton", "drafts", "async", "v0"])
+def test_the_features_that_change_a_steps_queries_keep_the_windowed_outputs(checkpoints, features):
+    path, _ = checkpoints["mixed"]
+    shared = prompts(seed=1, lengths=(30,))[0]
+    batch = [shared + p for p in prompts(seed=2, lengths=(2, 11))] + prompts(seed=3, lengths=(19, 5, 40))
+    kwargs = dict(num_gpu_blocks=96, block_size=4) | features
+    plain = tokens(LLM(path, num_gpu_blocks=96, block_size=4), batch)
+    llm = LLM(path, **kwargs)
+    assert tokens(llm, batch[:1]) + tokens(llm, batch[1:]) == plain[:1] + plain[1:]
+    if "max_model_len" in features:
+        assert llm.stats.num_preemptions > 0
+
+
+def test_tensor_parallel_workers_keep_each_layers_window(checkpoints):
+    path, _ = checkpoints["mixed"]
+    batch = prompts(seed=4, lengths=(25, 12, 33))
+    plain = tokens(LLM(path, num_gpu_blocks=64, block_size=4), batch)
+    with LLM(path, num_gpu_blocks=64, block_size=4, tensor_parallel_size=2) as llm:
+        assert tokens(llm, batch) == plain
