@@ -16,6 +16,9 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | KV connector | ``kv_transfer_config``: none, or one that loads and saves blocks (producer, consumer, both); | 14 |
 | | its scheduler side is the scheduler's ``connector``, its worker side the runner's and the attention's | |
 | | (with ``tensor_parallel_size > 1``: every worker's, over its shard, and a stand-in the runner's) | 11 |
+| KV cache manager | a model with sliding-window layers, under V1: a hybrid cache, a block table per group | 15 |
+| | (not with ``disable_hybrid_kv_cache_manager``, prefix caching, FP8, tensor parallelism, | |
+| | a connector or CUDA graphs: every block kept) | |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
@@ -39,7 +42,7 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.common.config import EngineConfig, KVTransferConfig, SpeculativeConfig
+from minipaged.common.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, KVTransferConfig, SpeculativeConfig
 from minipaged.common.processor import Prompt
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import RequestOutput, RequestOutputKind, SamplingParams
@@ -79,6 +82,14 @@ from minipaged.stage14_disaggregated_prefill import (
     worker_kv_connector,
 )
 from minipaged.stage14_kv_connector import KVConnectorRole, create_connector, model_identity
+from minipaged.stage15_hybrid_kv_cache import (
+    HybridKVCacheCoordinator,
+    HybridKVCacheManager,
+    KVCacheGroupSpec,
+    group_size,
+    kv_cache_groups,
+    share_layers,
+)
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -132,6 +143,9 @@ class LLM:
             profiled = load_model(path, self.dtype, self.device)[0]
             config = dataclasses.replace(config, kv_cache_memory=self.profile_kv_cache_memory(profiled, config))
         self.config = config = config.resolve(self.model_config)
+        self.kv_cache_groups = self.build_kv_cache_groups()
+        if self.kv_cache_groups is not None and kwargs.get("num_gpu_blocks") is None:  # the bytes, in blocks
+            config = self.config = dataclasses.replace(config, num_gpu_blocks=self.hybrid_num_blocks())
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)  # before any worker starts
         self.max_model_len = config.max_model_len
@@ -139,7 +153,7 @@ class LLM:
         self.attention: Any = backend_named(config.attention_backend)  # stage 4's or 5's; wrapped over an FP8 cache
         eos_ids = load_eos_token_ids(path)
         self.spec_decoder = self.build_spec_decoder(eos_ids)
-        self.scheduler = self.build_scheduler(self.build_block_manager())
+        self.scheduler = self.build_scheduler(None if self.kv_cache_groups is not None else self.build_block_manager())
         self.model, self.cache = self.build_model_and_cache(path, profiled)
         self.tokenizer = load_tokenizer(path)
         v1 = {"spec_decoder": self.spec_decoder, "async_scheduling": config.async_scheduling} if (
@@ -160,6 +174,25 @@ class LLM:
             return PrefixCachingBlockSpaceManager(PrefixCachingAllocator(c.num_gpu_blocks), c.block_size, cpu)
         return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, cpu)
 
+    def build_kv_cache_groups(self) -> list[KVCacheGroupSpec] | None:
+        """Stage 15's groups of layers, each with a block table of its own, for a model with sliding-window
+        layers under V1; None (one table; every block of every layer kept) otherwise, or where vLLM turns
+        its hybrid manager off, or where it is not built here yet."""
+        c, windows = self.config, [self.model_config.window_of(layer) for layer in range(self.model_config.num_layers)]
+        served = (c.scheduler == "v1" and c.stage >= 15 and not c.disable_hybrid_kv_cache_manager
+                  and c.tensor_parallel_size == 1 and not c.fp8_kv_cache and c.kv_transfer_config is None
+                  and not c.uses_cuda_graphs and not c.enable_prefix_caching)
+        return kv_cache_groups(windows, c.block_size) if served and any(windows) else None
+
+    def hybrid_num_blocks(self) -> int:
+        """The blocks the K/V memory holds when a block spans a group's layers, not every layer (vLLM's
+        ``memory // (page size × group size)``); the null block is one of them."""
+        c, mc = self.config, self.model_config
+        assert self.kv_cache_groups is not None
+        memory = DEFAULT_KV_CACHE_MEMORY if c.kv_cache_memory is None else c.kv_cache_memory
+        per_layer = mc.kv_bytes_per_token(c.kv_cache_torch_dtype) // mc.num_layers  # a token's K/V in one layer
+        return max(2, memory // (c.block_size * per_layer * group_size(self.kv_cache_groups)))
+
     def build_spec_decoder(self, eos_ids: Collection[int]) -> SpecDecoder | None:
         """Stage 12's drafts, one part that the engine, the scheduler and the runner hold; None without them."""
         spec = self.config.speculative_config
@@ -168,16 +201,25 @@ class LLM:
         return SpecDecoder(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min),
                            RejectionSampler(eos_ids, self.config.logprobs_mode))
 
-    def build_scheduler(self, block_manager: SwapBlockSpaceManager) -> Scheduler | V1Scheduler:
+    def build_scheduler(self, block_manager: SwapBlockSpaceManager | None) -> Scheduler | V1Scheduler:
         """V0's (the paper's), or V1's, which holds the parts configured: the connector's scheduler side
         (its KV cache manager, which counts the connector's tokens), the drafts; async: ``AsyncScheduler``."""
         c = self.config
         if c.scheduler == "v0":
+            assert block_manager is not None
             return Scheduler(block_manager, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
                              max_num_batched_tokens=c.max_num_batched_tokens, preemption_mode=c.preemption_mode)
         assert c.max_num_batched_tokens is not None  # V1's default is set where the config is made
-        kv_cache_manager, connector = KVCacheManager(block_manager), None
+        kv_cache_manager: Any
+        connector = None
+        if self.kv_cache_groups is not None:  # a hybrid cache: a manager per group over one pool
+            kv_cache_manager = HybridKVCacheManager(HybridKVCacheCoordinator(self.kv_cache_groups, c.num_gpu_blocks),
+                                                    c.max_num_batched_tokens)
+        else:
+            assert block_manager is not None
+            kv_cache_manager = KVCacheManager(block_manager)
         if isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's scheduler side, by the blocks
+            assert block_manager is not None
             kv_cache_manager = connector = ConnectorKVCacheManager(
                 block_manager, create_connector(c.kv_transfer_config, KVConnectorRole.SCHEDULER, c.block_size,
                                                 world_size=c.tensor_parallel_size))
@@ -198,8 +240,11 @@ class LLM:
             return model, cache
         model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
         scratch = 1 if c.uses_cuda_graphs else 0  # a block no sequence is given: the graphs' padded rows write there
-        cache = parts["kv_cache"](mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads,
-                                  mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
+        groups = self.kv_cache_groups
+        cache = parts["kv_cache"](mc.num_layers if groups is None else group_size(groups), c.num_gpu_blocks + scratch,
+                                  c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
+        if groups is not None:
+            cache = share_layers(cache, groups)
         if parts["attention"] is not None:
             self.attention = parts["attention"](c.attention_backend, cache)
         if c.uses_cuda_graphs:
@@ -215,8 +260,10 @@ class LLM:
             return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
         input_batch = None
         kv_connector: KVConnectorWorker | TensorParallelKVConnector | None = None
+        groups = None if self.kv_cache_groups is None else [g.layer_ids for g in self.kv_cache_groups]
         if self.spec_decoder is not None:
-            input_batch = SpecInputBatch(c.max_num_seqs, c.max_model_len, -(-c.max_model_len // c.block_size))
+            input_batch = SpecInputBatch(c.max_num_seqs, c.max_model_len, -(-c.max_model_len // c.block_size),
+                                         1 if groups is None else len(groups))
         if isinstance(c.kv_transfer_config, KVTransferConfig) and self.executor is not None:  # in the workers
             kv_connector = TensorParallelKVConnector(self.executor)
         elif isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
@@ -226,7 +273,8 @@ class LLM:
             kv_connector = KVConnectorWorker(connector, self.cache)
             backend = KVConnectorAttention(backend, self.cache, connector)
         return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend,
-                             input_batch=input_batch, spec_decoder=self.spec_decoder, kv_connector=kv_connector)
+                             input_batch=input_batch, spec_decoder=self.spec_decoder, kv_connector=kv_connector,
+                             kv_cache_groups=groups)
 
     def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
         """The bytes of K/V that ``gpu_memory_utilization`` leaves (``determine_available_kv_memory``),

@@ -4,7 +4,8 @@ vLLM V1's scheduler asks its ``KVCacheManager`` for a new request's cached prefi
 (``get_computed_blocks``) and for room for the tokens it schedules (``allocate_slots``); it
 never touches blocks itself. Here a block manager of stage 6 or 9 (prefix caching) does the
 work underneath: ``allocate_prompt`` takes the blocks of a whole sequence (the cached prefix
-reused), ``allocate_slots`` the slots a step adds, and ``num_slots`` counts what is held.
+reused), ``allocate_slots`` the slots a step adds, and ``num_slots`` counts what is held. Block ids
+are handed out one list per KV cache group, as vLLM hands them: here every layer is of one group.
 """
 
 from __future__ import annotations
@@ -33,20 +34,30 @@ class KVCacheManager:
             return None
         # END SOLUTION
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
-        """Room for ``num_new_tokens`` more computed tokens: the new block ids (often none); None,
-        and nothing taken, if that needs more blocks than are free."""
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], ...] | None:
+        """Room for ``num_new_tokens`` more computed tokens: the new block ids of each group (often
+        ``()``: none in any group); None, and nothing taken, if that needs more blocks than are free."""
         manager, table = self.manager, self.manager.table(seq.seq_id)
         missing = seq.num_computed_tokens + num_new_tokens - table.num_tokens  # slots to add
         if 0 < missing and table.num_tokens + missing <= len(table.block_ids) * manager.block_size:
             table.num_tokens += missing  # the last block has room (15 steps in 16): the slots are only counted
-            return []  # (it is this sequence's own: V1 forks nothing, and prefix caching shares only full blocks)
+            return ()  # (it is this sequence's own: V1 forks nothing, and prefix caching shares only full blocks)
         # BEGIN SOLUTION refuse when the blocks are short; else append the slots at once
         needed = manager.blocks_needed(table.num_tokens + missing) - len(table.block_ids)
         if needed > 0 and needed > manager.num_free_blocks:
             return None
-        return manager.append_slots(seq.seq_id, missing) if missing > 0 else []
+        return (manager.append_slots(seq.seq_id, missing),) if missing > 0 else ()
         # END SOLUTION
+
+    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots(seq, num_new_tokens)`` would find its blocks free."""
+        manager, table = self.manager, self.manager.table(seq.seq_id)
+        total = max(table.num_tokens, seq.num_computed_tokens + num_new_tokens)
+        return manager.blocks_needed(total) - len(table.block_ids) <= manager.num_free_blocks
+
+    def block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
+        """The sequence's block ids, one list per group."""
+        return (self.manager.get_block_table(seq.seq_id),)
 
     def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """With prefix caching, the full blocks of the sequence's first ``num_computed_tokens`` tokens become

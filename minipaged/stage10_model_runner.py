@@ -33,14 +33,16 @@ class InputBatch:
     row costs well under a microsecond, where a torch op per row would cost several.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 num_kv_cache_groups: int = 1) -> None:
         self.req_ids: list[Hashable] = []  # row -> request
         self.row_of: dict[Hashable, int] = {}
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # tokens known per row
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # each row's table in each KV cache group (vLLM's MultiGroupBlockTable): row, group, block
+        self.block_table = np.zeros((max_num_reqs, num_kv_cache_groups, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros((max_num_reqs, num_kv_cache_groups), dtype=np.int64)
         # this step's guessed tokens by request (``SchedulerOutput.scheduled_spec_decode_tokens``): a batch
         # that checks them writes them after the row's tokens (stage 12's); this one writes none
         self.spec_token_ids: dict[Hashable, list[int]] = {}
@@ -50,23 +52,26 @@ class InputBatch:
         row = self.row_of[new.req_id] = len(self.req_ids)
         self.req_ids.append(new.req_id)
         self.token_ids[row, :len(new.token_ids)] = new.token_ids
-        self.block_table[row, :len(new.block_ids)] = new.block_ids
-        self.num_tokens[row], self.num_blocks[row] = len(new.token_ids), len(new.block_ids)
+        for group, block_ids in enumerate(new.block_ids):
+            self.block_table[row, group, :len(block_ids)] = block_ids
+            self.num_blocks[row, group] = len(block_ids)
+        self.num_tokens[row] = len(new.token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
 
-    def update_request(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: list[int]) -> None:
+    def update_request(self, req_id: Hashable, new_token_ids: list[int],
+                       new_block_ids: tuple[list[int], ...]) -> None:
         """Append what changed (a request's entry of ``CachedRequestData``): the new tokens after the row's
-        known tokens (``num_tokens``, whatever its ``num_computed_tokens``, which only the runner moves), the
-        new blocks after its blocks."""
+        known tokens (``num_tokens``, whatever its ``num_computed_tokens``, which only the runner moves), each
+        group's new blocks after its blocks in that group."""
         row = self.row_of[req_id]
         # BEGIN SOLUTION write the new tokens and block ids after the row's last ones
         t = self.num_tokens[row]
         self.token_ids[row, t:t + len(new_token_ids)] = new_token_ids
         self.num_tokens[row] = t + len(new_token_ids)
-        if new_block_ids:  # most steps bring none: no numpy call for them
-            b = self.num_blocks[row]
-            self.block_table[row, b:b + len(new_block_ids)] = new_block_ids
-            self.num_blocks[row] = b + len(new_block_ids)
+        for group, block_ids in enumerate(new_block_ids):  # most steps bring none: () and no numpy call
+            b = self.num_blocks[row, group]
+            self.block_table[row, group, b:b + len(block_ids)] = block_ids
+            self.num_blocks[row, group] = b + len(block_ids)
         # END SOLUTION
 
     def remove_request(self, req_id: Hashable) -> None:
@@ -107,10 +112,16 @@ class V1ModelRunner:
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, block_size: int, max_num_reqs: int, max_model_len: int,
                  backend: Callable[..., torch.Tensor], *, input_batch: InputBatch | None = None,
-                 spec_decoder: SpecTokenRows | None = None, kv_connector: ConnectorWorkerPart | None = None) -> None:
+                 spec_decoder: SpecTokenRows | None = None, kv_connector: ConnectorWorkerPart | None = None,
+                 kv_cache_groups: list[tuple[int, ...]] | None = None) -> None:
         self.model, self.cache, self.block_size, self.backend = model, cache, block_size, backend
         self.device = cache.key_cache[0].device
-        self.input_batch = input_batch or InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        # the layers of each KV cache group, each group with a table of its own (stage 15); else one group
+        self.kv_cache_groups = kv_cache_groups or [()]  # one group: every layer
+        group_of = {layer: group for group, layers in enumerate(self.kv_cache_groups) for layer in layers}
+        self.group_of_layer = [group_of[layer] for layer in range(len(group_of))]
+        self.input_batch = input_batch or InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
+                                                     len(self.kv_cache_groups))
         self.spec_decoder, self.kv_connector = spec_decoder, kv_connector
         self.failed_req_ids: list[Hashable] = []  # requests whose loads failed in the last step
         self.prev_sampled_token_ids: torch.Tensor | None = None  # the last step's tokens, on the device
@@ -183,11 +194,15 @@ class V1ModelRunner:
         owner = np.repeat(rows, counts)  # (num_tokens,) the row of each token
         positions = np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts) + np.arange(ends[-1])
         token_ids = batch.token_ids[owner, positions]  # (num_tokens,)
-        slot_mapping = batch.block_table[owner, positions // size].astype(np.int64) * size + positions % size
         seq_lens = batch.num_computed_tokens[rows] + counts  # (num_reqs,) context after this step
-        meta = build_attention_metadata(
-            self.cache, slot_mapping, batch.block_table[rows, :batch.num_blocks[rows].max()], seq_lens.astype(np.int32),
-            None if counts.max() == 1 else np.concatenate([[0], ends]).astype(np.int32), self.backend)
+        query_start_loc = None if counts.max() == 1 else np.concatenate([[0], ends]).astype(np.int32)
+        metas = []
+        for g in range(len(self.kv_cache_groups)):  # each group's slots and tables (one group: every layer's)
+            slot_mapping = batch.block_table[owner, g, positions // size].astype(np.int64) * size + positions % size
+            tables = batch.block_table[rows, g, :batch.num_blocks[rows, g].max()]
+            metas.append(build_attention_metadata(self.cache, slot_mapping, tables, seq_lens.astype(np.int32),
+                                                  query_start_loc, self.backend))
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.group_of_layer]  # one, or one per layer
         done = seq_lens >= batch.num_tokens[rows]  # (num_reqs,) every token computed (a placeholder too): sample
         logits_indices = np.concatenate([(ends - 1)[done],
                                          self.extra_logits_indices(out, batch.num_computed_tokens[rows], ends)])

@@ -4,7 +4,9 @@ The scheduler and the runner share no state: each step the scheduler sends a ``S
 A request the runner has not seen comes whole (``NewRequestData``); those already in its
 persistent batch come as what changed since their last step, all of them in one
 ``CachedRequestData`` of lists, one entry per request, as vLLM's: the token sampled last, the
-blocks added, the tokens computed before the step. The rows of finished and preempted requests are named, to be
+blocks added, the tokens computed before the step. Block ids come one list per KV cache group, as
+vLLM's ``tuple[list[int], ...]``: one group, unless layers of several kinds keep tables of their own
+(stage 15). The rows of finished and preempted requests are named, to be
 dropped. Read the fields here first: stage 10's scheduler fills them, its runner applies them.
 Two fields stay empty until the scheduler holds a part that fills them, as in vLLM's
 ``SchedulerOutput``: ``scheduled_spec_decode_tokens`` and ``kv_connector_metadata``.
@@ -26,7 +28,7 @@ class NewRequestData:
 
     req_id: Hashable
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group
     num_computed_tokens: int
 
 
@@ -38,14 +40,14 @@ class CachedRequestData:
 
     req_ids: list[Hashable] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)  # each: the token sampled last step, if known yet
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # each: per group; () when none
     num_computed_tokens: list[int] = field(default_factory=list)  # each: its tokens computed before this step
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def add(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: list[int],
+    def add(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: tuple[list[int], ...],
             num_computed_tokens: int) -> None:
         """One more request's entry in each list."""
         self.req_ids.append(req_id)

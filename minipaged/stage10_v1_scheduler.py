@@ -237,7 +237,7 @@ class V1Scheduler:
             seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, computed
             n = min(len(seq) - computed, budget)
             out.scheduled_new_reqs.append(NewRequestData(
-                request.request_id, list(seq.token_ids), self.block_manager.get_block_table(seq.seq_id), computed))
+                request.request_id, list(seq.token_ids), kv.block_ids(seq), computed))
             self.add_to_step(request, n, out)
             budget -= n
         for request in out.scheduled:

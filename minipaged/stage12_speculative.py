@@ -53,7 +53,7 @@ class SpecInputBatch(InputBatch):
         self.num_drafts.pop(new.req_id, None)
         super().add_request(new)
 
-    def update_request(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: list[int]) -> None:
+    def update_request(self, req_id: Hashable, new_token_ids: list[int], new_block_ids: tuple[list[int], ...]) -> None:
         """Drop the row's drafts (the tokens the target kept arrive as new tokens), then append the
         update, then this step's drafts (``spec_token_ids``). After a verification the row's last
         token is not computed."""
@@ -101,10 +101,7 @@ class SpecDecoder:
     @staticmethod
     def fits(scheduler: V1Scheduler, seq: Sequence, num_new_tokens: int) -> bool:
         """Would ``allocate_slots(seq, num_new_tokens)`` find the blocks, with nobody preempted?"""
-        manager = scheduler.block_manager
-        table = manager.table(seq.seq_id)
-        total = max(table.num_tokens, seq.num_computed_tokens + num_new_tokens)
-        return manager.blocks_needed(total) - len(table.block_ids) <= manager.num_free_blocks
+        return scheduler.kv_cache_manager.can_allocate_slots(seq, num_new_tokens)
 
     def num_new_tokens(self, scheduler: V1Scheduler, request: Request, n: int, budget: int) -> int:
         """The scheduler's count ``n``; a decode with drafts adds as many of them as the budget, the

@@ -548,6 +548,24 @@ def disaggregated_prefill():
     _save(fig, "disaggregated_prefill.svg")
 
 
+def hybrid_kv_cache():
+    """Stage 15: a request's block tables, step by step, in a model with two full and two sliding layers."""
+    from minipaged.learn.viz import plot_hybrid_block_tables
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, kv_cache_groups
+
+    groups = kv_cache_groups([None, None, 8, 8], 4)  # window 8, blocks of 4
+    coordinator = HybridKVCacheCoordinator(groups, 32)
+    coordinator.allocate_slots("r", 0, 10)  # the prompt, 10 tokens
+    tables, labels = [coordinator.block_ids("r")], ["prompt (10 tokens)"]
+    for computed in range(10, 19):  # nine decode steps, each the slot of one more token
+        coordinator.allocate_slots("r", computed, computed + 1)
+        tables.append(coordinator.block_ids("r"))
+        labels.append(f"decode, token {computed}")
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), layout="constrained")
+    plot_hybrid_block_tables(tables, coordinator.null_block, groups, labels, ax=ax)
+    _save(fig, "hybrid_kv_cache.svg")
+
+
 DECODE_CONTEXT = 512  # tokens per request in stage 0's decode figure: about a ShareGPT request (161 + 338)
 # Its words, in English and in Chinese (decode_throughput.zh.svg: the Chinese site shows it in its place).
 DECODE_LABELS = {
@@ -624,7 +642,7 @@ def _decode_throughput(language):
 # Every figure, in the order ``main`` draws them; each writes docs/figures/<its name>.svg (and its translations).
 FIGURES = (paged_memory, contiguous_waste, decode_throughput, block_pool, block_table, copy_on_write, gather,
            split_kv, schedule, engine_components, parallel_sampling, prefix_cache, token_budget, tensor_parallel,
-           speculative_step, fp8_kv_cache, disaggregated_prefill)
+           speculative_step, fp8_kv_cache, disaggregated_prefill, hybrid_kv_cache)
 
 
 def main():

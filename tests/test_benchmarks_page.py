@@ -278,6 +278,36 @@ def test_speculative_decoding():
         assert row[2:] == expected, (batch, k)
 
 
+def test_a_hybrid_kv_cache():
+    """Requests resident at one memory, hybrid beside every layer full, and the blocks the windows give back,
+    as bench/hybrid_capacity.py measured them; the tiny model's throughput in the text."""
+    data = result("hybrid_capacity")
+    capacity, speed = data["capacity"], data["throughput"]
+    full, by = capacity["every_layer_full"], {(r["pattern"], r["window"]): r for r in capacity["rows"]}
+    windows, patterns = (128, 1024, 4096), ("1:1", "5:1", "all sliding")
+    resident, given = english_tables()["hybrid_capacity.py"]
+    assert resident[0][1:] == [f"{full['num_blocks']:,} ({full['layers_per_block']})"] + [
+        f"{full['mean_running']:.1f}"] * len(windows)
+    for row, pattern in zip(resident[1:], patterns, strict=True):
+        rows = [by[pattern, w] for w in windows]
+        assert row[1:] == [f"{rows[0]['num_blocks']:,} ({rows[0]['layers_per_block']})"] + [
+            f"{r['mean_running']:.1f} ({r['ratio']:.2f}×)" for r in rows]
+    assert [row[1:] for row in given] == [
+        [f"{by[p, w]['given_back_per_step']:.1f} ({by[p, w]['given_back_mib_per_step']:.0f} MiB)" for w in windows]
+        for p in patterns]
+    text = text_of("hybrid_capacity.py")
+    assert (f"{capacity['requests']:,} ShareGPT-like requests ({capacity['mean_request_tokens']:.0f} tokens on "
+            f"average, at most {capacity['max_request_tokens']:,})") in text
+    assert (f"the scheduler preempted {full['preemptions']:,} times, at 5:1 with a window of 128 it preempted "
+            f"{by['5:1', 128]['preemptions']:,} times") in text
+    hybrid, kept = speed["hybrid"], speed["every_layer_full"]
+    assert (f"decodes {hybrid['decodes_per_step']:.1f} requests a step against {kept['decodes_per_step']:.1f}, "
+            f"finishes in {hybrid['steps']} steps against {kept['steps']} and preempts {hybrid['preemptions']} "
+            f"times against {kept['preemptions']}: {hybrid['tokens_per_s']:,.0f} tokens per CPU second against "
+            f"{kept['tokens_per_s']:,.0f} ({speed['ratio']:.2f}×)") in text
+    assert f"{hybrid['ms_per_step']:.2f} ms of CPU against {kept['ms_per_step']:.2f}" in text
+
+
 def test_serving_under_load():
     held = result("serving")["held"]
     (table,) = english_tables()["serving.py"]

@@ -91,6 +91,6 @@ def test_the_statistics_objects_compute_their_ratios():
 def test_bad_values_of_the_options_that_choose_parts_are_refused():
     for bad in ({"tensor_parallel_size": 0}, {"tensor_parallel_size": 1.5}, {"distributed_executor_backend": "ray"},
                 {"async_scheduling": "yes"}, {"enable_prefix_caching": 1}, {"scheduler": "v2"}, {"stage": 6},
-                {"stage": 15}, {"stage": 9.5}):
+                {"stage": 16}, {"stage": 9.5}, {"disable_hybrid_kv_cache_manager": "yes"}):
         with pytest.raises(ValueError):
             EngineConfig(**bad)

@@ -62,8 +62,8 @@ WORDS = {"en": {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 
          "zh": {1: "一", 2: "两", 3: "三", 4: "四", 5: "五", 6: "六", 7: "七", 8: "八"}}
 
 # Names whose digits are not numbers of the argument; link targets and heading ids too.
-NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|Llama-3-8B|Llama-3-70B|A100-40GB|b?float16|[Ff][Pp]8|Qwen2\.5-0\.5B"
-                   r"|\bV[01]\b|[Ss]tages? \d+(?: (?:to|到) \d+)?|Figure \d+[ab]?|\bp99\b"
+NAMES = re.compile(r"\]\([^)]*\)|\{#[^}]*\}|OPT-13B|Llama-3-8B|Llama-3-70B|Gemma \d|A100-40GB|b?float16|[Ff][Pp]8"
+                   r"|Qwen2\.5-0\.5B|\bV[01]\b|[Ss]tages? \d+(?: (?:to|到) \d+)?|Figure \d+[ab]?|\bp99\b"
                    r"|30 seconds|2 minutes|30 秒版|2 分钟版")
 
 
@@ -226,6 +226,18 @@ def computed() -> dict[str, str]:
           "disagg_prompt": f"{disagg['prompt_len']}", "disagg_quiet": f"{one['itl_no_burst_ms']:,.0f}",
           "disagg_one_p99": f"{one['itl_p99_ms']:,.0f}", "disagg_split_p99": f"{split['itl_p99_ms']:,.0f}",
           "disagg_moved": f"{disagg['bytes_per_request']['measured']:,.0f}"}
+
+    # A hybrid KV cache: a long request on a 48-layer model, five sliding layers (window 128) to one full.
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, group_size, kv_cache_groups
+
+    groups = kv_cache_groups(([128] * 5 + [None]) * 8, 16)
+    coordinator = HybridKVCacheCoordinator(groups, 4000)
+    coordinator.allocate_slots("r", 0, 8192)
+    coordinator.allocate_slots("r", 8192, 8193)  # the slot of its next token, the windows' blocks given back
+    held = sum(b != coordinator.null_block for m in coordinator.managers for b in m.req_to_blocks["r"])
+    hybrid, every = held * group_size(groups), -(-8193 // 16) * 48
+    n |= {"h_layers": "48", "h_tokens": f"{8192:,}", "h_layer_blocks": f"{hybrid:,}", "h_every": f"{every:,}",
+          "h_ratio": f"{every / hybrid:.1f}"}
     return n
 
 
@@ -404,6 +416,14 @@ FRAGMENTS: dict[str, dict[str, list[str]]] = {
                "单个引擎里它们的 p99 token 间隔是 {disagg_one_p99} ms，突发之前一步 decode 只要 {disagg_quiet} ms；"
                "换成一个 producer 加一个 consumer，是 {disagg_split_p99} ms",
                "每个请求搬了 {disagg_moved} 字节的 K/V"],
+    },
+    "why-a-hybrid-kv-cache": {
+        "en": ["For a request of {h_tokens} tokens on a {h_layers}-layer model with five layers of window 128 to one "
+               "full, the hybrid cache holds {h_layer_blocks} layer-blocks where keeping every block takes {h_every}: "
+               "{h_ratio}× the requests in the same memory"],
+        "zh": ["{h_layers} 层、每五个窗口为 128 的层配一个全 attention 层的模型，{h_tokens} 个 token 的请求，"
+               "混合 cache 占 {h_layer_blocks} 个“层·块”，每块都留着要 {h_every} 个："
+               "同样的显存能放下 {h_ratio} 倍的请求"],
     },
     "in-one-sentence": {
         "en": ["2–4× the throughput of FasterTransformer and Orca in the paper",

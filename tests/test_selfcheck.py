@@ -161,7 +161,7 @@ def in_short(page: Path) -> tuple[str, list[str], int]:
 
 def test_every_stage_page_opens_its_interview_answer_with_a_short_one_in_both_languages():
     english = sorted(p for p in STAGES.glob("*.md") if not p.name.endswith(".zh.md"))
-    assert len(english) == 15
+    assert len(english) == 16
     for page in english:
         translated = page.with_name(page.name.replace(".md", ".zh.md"))
         for version, language in ((page, "en"), (translated, "zh")):
@@ -1125,3 +1125,58 @@ def test_stage14_a_corrupt_file_is_recomputed(tmp_path):
     stats = through_a_folder(tmp_path, PROMPT37, flip_a_byte_of_block_1)
     assert stats.kv_transfer.num_external_tokens == 32 and stats.kv_transfer.num_failed_blocks == 1
     check14(3, stats.kv_transfer.num_recomputed_tokens, stats.prefill_tokens)
+
+
+# --- stage 15: a hybrid KV cache
+
+PAGE15 = STAGES / "15_hybrid_kv_cache.md"
+
+
+def check15(index: int, *expected) -> None:
+    check_both(PAGE15, index, *expected)
+
+
+def test_stage15_page_ends_with_a_self_check_and_an_interview_answer():
+    for page, headings in ((PAGE15, ("## Self-check", "## Explain it in an interview")),
+                           (PAGE15.with_name("15_hybrid_kv_cache.zh.md"),
+                            ("{#self-check}", "{#explain-it-in-an-interview}"))):
+        text = page.read_text(encoding="utf-8")
+        assert len(answers(page)) == len(answers(PAGE15)) == 5, page.name
+        assert text.index(headings[0]) < text.index(headings[1]), page.name
+        assert [bool(bold_spans(page, i)) for i in range(5)] == [True] * 3 + [False] * 2  # the last two in words
+
+
+def test_stage15_the_blocks_a_window_gives_back():
+    from minipaged.stage15_hybrid_kv_cache import SlidingWindowManager, SlidingWindowSpec
+
+    allocator = BlockAllocator(400)
+    null = allocator.allocate(1)[0]
+    manager = SlidingWindowManager(SlidingWindowSpec(16, 1024), allocator, null)
+    manager.allocate_new_blocks("r", 5000)
+    skipped = manager.get_num_skipped_tokens(5000)
+    manager.remove_skipped_blocks("r", 5000)
+    manager.allocate_new_blocks("r", 5001)
+    blocks = manager.req_to_blocks["r"]
+    check15(0, f"{skipped:,}", blocks.count(null), len(blocks) - blocks.count(null))
+
+
+def test_stage15_gemma_3s_groups():
+    from minipaged.stage15_hybrid_kv_cache import group_size, kv_cache_groups, share_layers
+
+    groups = kv_cache_groups([1024] * 5 + [None] + [1024] * 5 + [None], 16)
+    cache = share_layers(PagedKVCache(group_size(groups), 2, 16, 1, 8), groups)
+    check15(1, len(groups), group_size(groups), len({id(t) for t in cache.key_cache}))
+
+
+def test_stage15_a_long_request_on_a_five_to_one_model():
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, group_size, kv_cache_groups
+
+    groups = kv_cache_groups(([128] * 5 + [None]) * 8, 16)
+    coordinator = HybridKVCacheCoordinator(groups, 4000)
+    coordinator.allocate_slots("r", 0, 8192)
+    coordinator.allocate_slots("r", 8192, 8193)
+    held = [sum(b != coordinator.null_block for b in m.req_to_blocks["r"]) for m in coordinator.managers]
+    sliding = {h for h, g in zip(held, groups, strict=True) if g.spec.__class__.__name__ == "SlidingWindowSpec"}
+    (per_sliding_group,) = sliding
+    check15(2, group_size(groups), per_sliding_group, f"{sum(held)}", f"{sum(held) * group_size(groups):,}",
+            f"{-(-8193 // 16) * 48:,}")

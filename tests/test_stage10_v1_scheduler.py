@@ -207,7 +207,7 @@ def test_a_recomputed_request_is_prefilled_with_its_generated_tokens():
     (new,) = out.scheduled_new_reqs
     assert new.req_id == "b" and new.token_ids == list(range(20, 28)) + [7] * 5 and out.finished_req_ids == ["a"]
     assert new.num_computed_tokens == 8 and scheduled == {"b": 13 - 8}  # its 2 prompt blocks, found cached
-    assert len(new.block_ids) == 4
+    assert len(new.block_ids) == 1 and len(new.block_ids[0]) == 4  # one KV cache group
 
 
 def test_a_request_starts_at_its_first_uncached_token():
@@ -312,7 +312,8 @@ def test_the_persistent_batch_keeps_its_arrays_and_applies_only_the_differences(
             known = len(seq) - (1 if seq.output_token_ids else 0)  # the token just sampled comes next step
             assert int(batch.num_tokens[row]) == known
             assert batch.token_ids[row, :known].tolist() == seq.token_ids[:known]
-            assert batch.block_table[row, :int(batch.num_blocks[row])].tolist() == manager.get_block_table(seq.seq_id)
+            blocks = batch.block_table[row, 0, :int(batch.num_blocks[row, 0])]  # its one group's table
+            assert blocks.tolist() == manager.get_block_table(seq.seq_id)
             assert int(batch.num_computed_tokens[row]) == seq.num_computed_tokens
     kept = (batch.token_ids, batch.block_table, batch.num_computed_tokens)
     assert all(now is first for now, first in zip(kept, arrays, strict=True))  # written in place, never replaced
@@ -344,10 +345,10 @@ def test_a_running_request_reaches_the_runner_as_its_new_token_and_new_blocks_on
     _, out = step(scheduler)  # its first decode: token 7, into a new block; 4 tokens computed before the step
     cached = out.scheduled_cached_reqs
     assert cached.req_ids == ["a"] and cached.new_token_ids == [[7]] and cached.num_computed_tokens == [4]
-    assert cached.new_block_ids == [manager.get_block_table(scheduler.running[0].seqs[0].seq_id)[1:]]
+    assert cached.new_block_ids == [(manager.get_block_table(scheduler.running[0].seqs[0].seq_id)[1:],)]
     _, out = step(scheduler)
     cached = out.scheduled_cached_reqs
-    assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == ([[7]], [[]], [5])
+    assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == ([[7]], [()], [5])
 
 
 def test_one_sequence_per_request_and_recompute_only():
@@ -382,10 +383,10 @@ def test_the_persistent_batch_appends_new_tokens_after_the_rows_known_tokens_not
     from minipaged.stage10_sched_output import NewRequestData
 
     batch = InputBatch(max_num_reqs=2, max_model_len=32, max_blocks_per_req=8)
-    batch.add_request(NewRequestData("r", [5, 6, 7, 8, 9], [3, 4], num_computed_tokens=2))
-    batch.update_request("r", [11, 12], [7])
+    batch.add_request(NewRequestData("r", [5, 6, 7, 8, 9], ([3, 4],), num_computed_tokens=2))
+    batch.update_request("r", [11, 12], ([7],))
     row = batch.row_of["r"]
     assert batch.token_ids[row, :7].tolist() == [5, 6, 7, 8, 9, 11, 12] and int(batch.num_tokens[row]) == 7
-    assert batch.block_table[row, :3].tolist() == [3, 4, 7] and int(batch.num_blocks[row]) == 3
+    assert batch.block_table[row, 0, :3].tolist() == [3, 4, 7] and int(batch.num_blocks[row, 0]) == 3
     assert int(batch.num_computed_tokens[row]) == 2
 

@@ -22,7 +22,7 @@ from minipaged.models import ModelConfig, resolve_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULERS = ("v0", "v1")  # the paper's (stage 6), or vLLM V1's (stage 10)
-FIRST_STAGE, LAST_STAGE = 7, 14  # the ladder's engines: stage 7 serves text, stage 14 is the top
+FIRST_STAGE, LAST_STAGE = 7, 15  # the ladder's engines: stage 7 serves text, stage 15 is the top
 V1_MAX_NUM_BATCHED_TOKENS = 2048  # V1's token budget per step when none is given
 ATTENTION_BACKENDS = ("ref", "triton")
 EXECUTOR_BACKENDS = ("mp", "external_launcher")  # vLLM's: spawned workers, or torchrun's processes
@@ -144,6 +144,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, stage 13)
     calculate_kv_scales: bool = False  # fp8: each layer's k_scale and v_scale from its first batch, else 1.0
     kv_transfer_config: KVTransferConfig | dict | None = None  # a KV connector and this engine's role (stage 14)
+    disable_hybrid_kv_cache_manager: bool = False  # vLLM's: keep every block of a sliding-window layer (stage 15)
     dtype: str | torch.dtype = "float32"
     device: str | torch.device = "cpu"
     seed: int = 0
@@ -182,7 +183,8 @@ class EngineConfig:
         check_choice("scheduler", self.scheduler, SCHEDULERS)
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.scheduler == "v1")
-        for flag in ("enable_prefix_caching", "async_scheduling", "enforce_eager", "calculate_kv_scales"):
+        for flag in ("enable_prefix_caching", "async_scheduling", "enforce_eager", "calculate_kv_scales",
+                     "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.model, str | os.PathLike):

@@ -93,7 +93,7 @@ class Rubric:
 # Five points per star of the exercise's difficulty (docs/exercises/index.md): the one place
 # that gives points. Every test of a stage is worth the same share of it.
 RUBRIC = Rubric(points={0: 10, 1: 5, 2: 10, 3: 10, 4: 15, 5: 20, 6: 20, 7: 15, 8: 20, 9: 15, 10: 20,
-                        11: 15, 12: 15, 13: 10, 14: 15})
+                        11: 15, 12: 15, 13: 10, 14: 15, 15: 10})
 
 
 @dataclass

@@ -46,6 +46,12 @@ def m(stage: int, name: str, *patches: tuple[str, str]) -> Mutant:
     return Mutant(stage, name, tuple(patches))
 
 
+# stage 15's coordinator: the windows give back, then the pool is counted
+_GIVE_BACK = ("        for manager in self.managers:\n"
+              "            manager.remove_skipped_blocks(req_id, num_computed_tokens)\n")
+_COUNT = ("        needed = sum(m.get_num_blocks_to_allocate(req_id, num_tokens) for m in self.managers)\n"
+          "        if needed > self.allocator.num_free_blocks:\n            return None\n")
+
 # stage 7's three cuts, whole, so that a mutant can put them in another order
 _TEMPERATURE = "    logits = logits / params.temperature\n"
 _TOP_K = """    if 0 < params.top_k < logits.numel():
@@ -477,7 +483,7 @@ CATALOGUE: list[Mutant] = [
     m(10, "a chunk's positions start at 0", ("np.repeat(batch.num_computed_tokens[rows] - (ends - counts), counts)",
                                              "np.repeat(-(ends - counts), counts)")),
     m(10, "new blocks overwrite the row's last ones", (
-        "            self.num_blocks[row] = b + len(new_block_ids)\n", "")),
+        "            self.num_blocks[row, group] = b + len(block_ids)\n", "")),
     m(10, "the sampled token never reaches the persistent batch", (
         "        self.num_tokens[row] = t + len(new_token_ids)\n",
         "")),
@@ -644,6 +650,31 @@ CATALOGUE: list[Mutant] = [
         "seq_ids = set()")),
     m(14, "the tokens lost to a failed load not counted", (
         "        self.num_recomputed_tokens += self.external.pop(request.seq_id, 0)\n", "")),
+    # stage 15: the hybrid KV cache
+    m(15, "groups of the most layers, always", ("size = max(sizes) if max(sizes) < min(sizes) * 1.25 else min(sizes)",
+                                                "size = max(sizes)")),
+    m(15, "a spec's layers dealt in runs, not round-robin", (
+        "KVCacheGroupSpec(tuple(layers[i::num_groups]), spec)",
+        "KVCacheGroupSpec(tuple(layers[i * size:(i + 1) * size]), spec)")),
+    m(15, "every layer on the first tensor", ("cache.key_cache = [keys[slot[layer]] for layer in range(len(slot))]",
+                                              "cache.key_cache = [keys[0] for layer in range(len(slot))]")),
+    m(15, "the window skips one token too many", (
+        "return max(0, num_computed_tokens - self.spec.sliding_window + 1)",
+        "return max(0, num_computed_tokens - self.spec.sliding_window + 2)")),
+    m(15, "the window skips the query's own token", (
+        "return max(0, num_computed_tokens - self.spec.sliding_window + 1)",
+        "return max(0, num_computed_tokens + 1)")),
+    m(15, "a block goes back when its first token is skipped", (
+        "range(self.get_num_skipped_tokens(num_computed_tokens) // self.spec.block_size)",
+        "range(-(-self.get_num_skipped_tokens(num_computed_tokens) // self.spec.block_size))")),
+    m(15, "a skipped block is freed but kept in the table", ("            blocks[i] = self.null_block\n", "")),
+    m(15, "the walk back frees the null block too", (
+        "            if blocks[i] == self.null_block:\n                break\n", "")),
+    m(15, "the coordinator checks the pool before the windows give back", (
+        _GIVE_BACK + _COUNT, _COUNT + _GIVE_BACK)),
+    m(15, "the coordinator counts the first group's need only", (
+        "needed = sum(m.get_num_blocks_to_allocate(req_id, num_tokens) for m in self.managers)",
+        "needed = self.managers[0].get_num_blocks_to_allocate(req_id, num_tokens)")),
 ]
 
 

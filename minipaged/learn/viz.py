@@ -812,3 +812,74 @@ def plot_speculative_step(token_ids, drafts, kept, block_table, block_size: int,
     if title:
         ax.set_title(title, loc="left", fontsize=10)
     return ax
+
+
+def plot_hybrid_block_tables(tables, null_block: int, groups=None, labels=None, ax=None, title=None):
+    """Stage 15: one request's block table in each KV cache group, step after step.
+
+    ``tables[k]``: the request's block ids in each group after step ``k`` (one list per group, as
+    ``HybridKVCacheCoordinator.block_ids`` gives them); ``null_block``: the coordinator's null block;
+    ``groups``: the ``KVCacheGroupSpec`` of each group, to name them (default: "group g"); ``labels``:
+    a label per step (default: "step k").
+
+    One row per step, top to bottom, the groups' tables side by side, each entry its block id in
+    the group's colour, outlined in black in the step that took it. An entry that the window gave
+    back holds the null block: hatched grey, outlined in red in the step that gave it back. At the
+    right of each row, the blocks the request holds (the null block is nobody's).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    tables = [[list(map(int, group)) for group in step] for step in tables]
+    num_groups = len(tables[0])
+    labels = labels or [f"step {k}" for k in range(len(tables))]
+    names = [f"group {g}" for g in range(num_groups)] if groups is None else [
+        ("full attention" if getattr(g.spec, "sliding_window", None) is None else f"window {g.spec.sliding_window}")
+        + f" · layers {', '.join(map(str, g.layer_ids))}" for g in groups]
+    widths = [max(len(step[g]) for step in tables) for g in range(num_groups)]
+    gap = 1.2
+    starts = [sum(widths[:g]) + gap * g for g in range(num_groups)]
+    right = starts[-1] + widths[-1]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.2, 0.36 * len(tables) + 1.3), layout="constrained")
+    null_face = "#f2f2f2"
+    for k, step in enumerate(tables):
+        y = len(tables) - 1 - k
+        before = tables[k - 1] if k else [[] for _ in range(num_groups)]
+        ax.text(-0.3, y + 0.4, str(labels[k]), ha="right", va="center", fontsize=9)
+        for g, blocks in enumerate(step):
+            color = SEQ_COLORS[g % len(SEQ_COLORS)]
+            for j, block_id in enumerate(blocks):
+                x = starts[g] + j
+                earlier = before[g][j] if j < len(before[g]) else None
+                if block_id == null_block:
+                    given_back = earlier is not None and earlier != null_block
+                    ax.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=null_face, edgecolor=_RED if given_back
+                                           else "#bbbbbb", lw=2.0 if given_back else 0.6, **_HATCHING))
+                    continue
+                taken = earlier != block_id
+                ax.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=color, alpha=0.7, lw=0))
+                ax.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor="none", edgecolor="black" if taken else color,
+                                       lw=1.6 if taken else 0.8))
+                ax.text(x + 0.45, y + 0.4, str(block_id), ha="center", va="center", fontsize=9)
+        held = sum(b != null_block for blocks in step for b in blocks)
+        ax.text(right + 0.3, y + 0.4, f"{held} held", ha="left", va="center", fontsize=9, color="#444444")
+    for g in range(num_groups):
+        ax.text(starts[g], len(tables) + 0.45, names[g], ha="left", va="bottom", fontsize=9,
+                color=SEQ_COLORS[g % len(SEQ_COLORS)], weight="bold")
+        for j in range(widths[g]):
+            ax.text(starts[g] + j + 0.45, len(tables) - 0.1, str(j), ha="center", va="bottom", fontsize=8,
+                    color="#666666")
+    ax.text(-0.3, len(tables) - 0.1, "logical block", ha="right", va="bottom", fontsize=8, color="#666666")
+    handles = [Patch(facecolor="white", edgecolor="black", lw=1.6, label="taken in this step"),
+               Patch(facecolor=null_face, edgecolor="#bbbbbb", lw=0.6, label=f"the null block ({null_block})",
+                     **_HATCHING),
+               Patch(facecolor=null_face, edgecolor=_RED, lw=2.0, label="given back in this step", **_HATCHING)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False,
+              fontsize=9, borderaxespad=0)
+    ax.set_xlim(-3.2, right + 2.6)
+    ax.set_ylim(-0.1, len(tables) + 1.1)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    return ax

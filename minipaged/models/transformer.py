@@ -84,14 +84,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: float,
+def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata | list[AttentionMetadata], scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """Write the new K/V into the paged cache (stage 2's ``write``), then attend over each context,
     or over its last ``sliding_window`` tokens in a layer that slides.
 
     ``cache`` is a ``PagedKVCache``: per layer, ``key_cache`` / ``value_cache`` of shape
-    ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+    ``(num_blocks, block_size, num_kv_heads, head_dim)``. ``meta`` is every layer's, or a list with
+    each layer's (layers of different KV cache groups keep different block tables: stage 15).
     """
+    meta = meta[layer] if isinstance(meta, list) else meta
     cache.write(layer, meta.slot_mapping, k, v, checked=True)  # checked once, on the host, when meta was built
     return meta.backend(q, cache.key_cache[layer], cache.value_cache[layer], meta.block_tables, meta.seq_lens,
                         scale=scale, query_start_loc=meta.query_start_loc, validate=False,

@@ -1,0 +1,233 @@
+"""Stage 15: a hybrid KV cache, checked against the engine that keeps every block (stage 10's manager,
+``disable_hybrid_kv_cache_manager=True``) and against transformers, with the free count."""
+
+import pytest
+import torch
+from helpers_checkpoints import save_random_checkpoints
+from test_stage7_engine import assert_equal_to_hf
+from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
+
+from minipaged import LLM, SamplingParams
+from minipaged.common.sequence import Sequence
+from minipaged.stage1_block_allocator import BlockAllocator
+from minipaged.stage2_block_table import PagedKVCache
+from minipaged.stage10_kv_cache_manager import KVCacheManager
+from minipaged.stage15_hybrid_kv_cache import (
+    FullAttentionSpec,
+    HybridKVCacheCoordinator,
+    HybridKVCacheManager,
+    SlidingWindowManager,
+    SlidingWindowSpec,
+    group_size,
+    kv_cache_groups,
+    share_layers,
+)
+
+pytestmark = pytest.mark.stage15
+
+W, BS = 8, 4  # the models' window, the engines' block size
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+MODELS = {  # two full layers then two sliding ones; every layer sliding
+    "mixed": ("Qwen2Config", dict(COMMON, use_sliding_window=True, sliding_window=W, max_window_layers=2)),
+    "sliding": ("MistralConfig", dict(COMMON, sliding_window=W)),
+}
+HYBRID = dict(block_size=BS, enable_prefix_caching=False)
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers
+
+    paths = save_random_checkpoints(tmp_path_factory, MODELS)
+    return {name: (path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+            for name, path in paths.items()}
+
+
+def prompts(seed=0, lengths=(3, 21, 37, 9, 50)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def tokens(llm, batch, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                                                          use_tqdm=False)]
+
+
+# --- the groups, and the tensors they share
+
+
+@pytest.mark.parametrize("windows, groups", [
+    ([None, None, 8, 8], [((0, 1), None), ((2, 3), 8)]),
+    ([8, None] * 3, [((0, 2, 4), 8), ((1, 3, 5), None)]),
+    ([8] * 5 + [None] + [8] * 5 + [None],  # Gemma 3's 5:1: groups of 2, the sliding layers in five
+     [((0, 6), 8), ((1, 7), 8), ((2, 8), 8), ((3, 9), 8), ((4, 10), 8), ((5, 11), None)]),
+    ([8, 8, 8, None, None], [((0, 2), 8), ((1,), 8), ((3, 4), None)]),  # 3 is not under 2 * 1.25: groups of 2
+    ([8] * 6 + [None] * 5, [(tuple(range(6)), 8), (tuple(range(6, 11)), None)]),  # 6 < 5 * 1.25: groups of 6
+    ([8] * 4, [((0, 1, 2, 3), 8)]),
+], ids=["halves", "alternating", "gemma3-5-to-1", "short-group", "padded", "all-sliding"])
+def test_layers_are_grouped_as_vllm_groups_them(windows, groups):
+    """vLLM's rule: groups as large as the fewest layers of one spec (the most, when the most is under
+    1.25 times the fewest); each spec's layers dealt round-robin into as many groups as that needs."""
+    spec = {None: FullAttentionSpec(BS), 8: SlidingWindowSpec(BS, 8)}
+    found = kv_cache_groups(windows, BS)
+    assert [(g.layer_ids, g.spec) for g in found] == [(layers, spec[w]) for layers, w in groups]
+    assert group_size(found) == max(len(layers) for layers, _ in groups)
+
+
+def test_a_layer_of_each_group_shares_one_tensor_so_a_block_holds_group_size_layers():
+    groups = kv_cache_groups([8] * 5 + [None] + [8] * 5 + [None], BS)
+    cache = share_layers(PagedKVCache(group_size(groups), 10, BS, 2, 16), groups)
+    assert cache.num_layers == 12 and len({id(t) for t in cache.key_cache}) == 2
+    for group in groups:
+        for j, layer in enumerate(group.layer_ids):
+            assert cache.key_cache[layer] is cache.key_cache[groups[0].layer_ids[j]]
+            assert cache.value_cache[layer] is cache.value_cache[groups[0].layer_ids[j]]
+    assert cache.key_cache[0] is not cache.value_cache[0]
+
+
+# --- one group's blocks: the window gives back what it left
+
+
+def sliding(window=W, num_blocks=32):
+    allocator = BlockAllocator(num_blocks)
+    null = allocator.allocate(1)[0]
+    return SlidingWindowManager(SlidingWindowSpec(BS, window), allocator, null), allocator, null
+
+
+@pytest.mark.parametrize("computed, window, skipped", [(0, 8, 0), (7, 8, 0), (8, 8, 1), (20, 8, 13), (5, 1, 5),
+                                                       (100, 64, 37)])
+def test_the_tokens_skipped_are_those_before_the_next_querys_window(computed, window, skipped):
+    """The query at position ``computed`` sees ``computed - window + 1`` and after."""
+    manager, _, _ = sliding(window)
+    assert manager.get_num_skipped_tokens(computed) == skipped
+
+
+def test_a_block_goes_back_once_every_token_of_it_is_skipped_and_the_null_block_takes_its_place():
+    manager, allocator, null = sliding()
+    blocks = manager.allocate_new_blocks("r", 30)  # 8 blocks of 4: tokens 0 .. 29
+    free = allocator.num_free_blocks
+    manager.remove_skipped_blocks("r", 10)  # skips 0 .. 2: no block wholly
+    assert manager.req_to_blocks["r"] == blocks and allocator.num_free_blocks == free
+    manager.remove_skipped_blocks("r", 13)  # skips 0 .. 5: block 0 alone, block 1 still read
+    assert manager.req_to_blocks["r"] == [null] + blocks[1:] and allocator.num_free_blocks == free + 1
+    assert allocator.is_free(blocks[0])
+    manager.remove_skipped_blocks("r", 13)  # again: nothing more
+    assert allocator.num_free_blocks == free + 1
+    manager.remove_skipped_blocks("r", 27)  # skips 0 .. 19: blocks 0 .. 4
+    assert manager.req_to_blocks["r"] == [null] * 5 + blocks[5:] and allocator.num_free_blocks == free + 5
+    manager.free("r")  # the null block is never given back
+    assert allocator.num_free_blocks == allocator.num_total_blocks - 1 and not allocator.is_free(null)
+
+
+# --- the coordinator: every group, all or nothing
+
+
+def test_a_request_gets_its_blocks_only_when_every_group_finds_them_and_the_windows_give_back_first():
+    groups = kv_cache_groups([None, None, W, W], BS)
+    coordinator = HybridKVCacheCoordinator(groups, 1 + 11)  # the null block, and 11
+    full, window = coordinator.managers
+    new = coordinator.allocate_slots("a", 0, 20)  # 5 blocks in each group
+    assert [len(b) for b in new] == [5, 5] and coordinator.allocator.num_free_blocks == 1
+    assert coordinator.allocate_slots("b", 0, 4) is None  # 1 + 1 needed, 1 free: nothing taken
+    assert coordinator.allocator.num_free_blocks == 1 and "b" not in full.req_to_blocks
+    new = coordinator.allocate_slots("a", 20, 24)  # 1 + 1 needed: the window gives back 3 first (tokens 0 .. 12)
+    assert [len(b) for b in new] == [1, 1] and coordinator.allocator.num_free_blocks == 2
+    assert window.req_to_blocks["a"][:3] == [coordinator.null_block] * 3
+    assert coordinator.null_block not in full.req_to_blocks["a"]
+    coordinator.free("a")
+    assert coordinator.allocator.num_free_blocks == 11
+
+
+def test_the_kv_cache_manager_serves_stage_10s_scheduler_with_block_ids_per_group():
+    """The same methods as stage 10's ``KVCacheManager``; a first step's blocks are at most
+    ``max_num_batched_tokens`` tokens' worth, later chunks take theirs as they come."""
+    groups = kv_cache_groups([None, W], BS)
+    manager = HybridKVCacheManager(HybridKVCacheCoordinator(groups, 1 + 40), max_num_batched_tokens=8)
+    seq = Sequence("s", list(range(30)))
+    assert manager.allocate_prompt(seq) == 0 and [len(b) for b in manager.block_ids(seq)] == [2, 2]
+    seq.num_computed_tokens = 8
+    assert [len(b) for b in manager.allocate_slots(seq, 8)] == [2, 2]  # tokens 8 .. 15; nothing skipped yet
+    seq.num_computed_tokens = 16
+    assert manager.can_allocate_slots(seq, 14)
+    new = manager.allocate_slots(seq, 14)  # to 30 tokens; tokens 0 .. 8 skipped: 2 blocks back first
+    assert [len(b) for b in new] == [4, 4] and manager.block_ids(seq)[1][:2] == [manager.coordinator.null_block] * 2
+    assert manager.allocate_slots(seq, 0) == ()  # nothing new in any group
+    assert manager.num_slots() == (30 + 30 - 8, (8 + 6) * BS)
+    assert manager.blocks_needed(30) == 8 + 5  # full: every block; sliding: window - 1 + a step, and one more
+    manager.free(seq)
+    assert manager.num_free_blocks == manager.num_total_blocks == 40
+
+
+# --- the engine
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_hybrid_engine_equals_transformers_and_gives_back_what_the_windows_left(checkpoints, name):
+    path, hf_model = checkpoints[name]
+    llm = LLM(path, num_gpu_blocks=200, max_num_batched_tokens=16, **HYBRID)
+    assert isinstance(llm.scheduler.kv_cache_manager, HybridKVCacheManager)
+    assert_equal_to_hf(llm, hf_model, prompts(), steps=20)
+    keep = LLM(path, num_gpu_blocks=200, max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True, **HYBRID)
+    assert isinstance(keep.scheduler.kv_cache_manager, KVCacheManager)
+    batch = prompts(seed=1)
+    assert tokens(llm, batch) == tokens(keep, batch)
+    layers = {"mixed": 2, "sliding": 4}[name]  # a block holds a group's layers: 2 of the mixed model's 4
+    assert llm.stats.scheduler.peak_blocks_used * layers < keep.stats.scheduler.peak_blocks_used * 4
+    manager = llm.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_a_decoding_request_holds_a_windows_worth_of_blocks_in_a_sliding_group(checkpoints):
+    path, _ = checkpoints["sliding"]
+    llm = LLM(path, num_gpu_blocks=200, **HYBRID)
+    llm.engine.add_request("r", {"prompt_token_ids": prompts(lengths=(30,))[0]}, GREEDY)
+    held = []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        request = llm.engine.requests.get("r")
+        if request is not None and not request.is_finished():
+            held.append(sum(b != 0 for b in llm.scheduler.kv_cache_manager.block_ids(request.seqs[0])[0]))
+    assert max(held[1:]) <= -(-(W - 1) // BS) + 1  # the window behind the next query, and the next slot's block
+    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("features", [
+    dict(max_num_batched_tokens=6),
+    dict(num_gpu_blocks=44, max_model_len=80),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    dict(async_scheduling=True),
+    dict(attention_backend="triton"),
+], ids=["chunked", "preempted", "drafts", "async", "triton"])
+def test_the_hybrid_engine_under_each_feature_equals_the_engine_that_keeps_every_block(checkpoints, features):
+    path, _ = checkpoints["mixed"]
+    batch = prompts(seed=2, lengths=(30, 12, 41, 7))
+    kwargs = dict(num_gpu_blocks=96, max_model_len=128, **HYBRID) | features
+    keep = tokens(LLM(path, **(kwargs | dict(num_gpu_blocks=96, disable_hybrid_kv_cache_manager=True))), batch)
+    llm = LLM(path, **kwargs)
+    assert isinstance(llm.scheduler.kv_cache_manager, HybridKVCacheManager)
+    assert tokens(llm, batch) == keep
+    if "num_gpu_blocks" in features:
+        assert llm.stats.scheduler.num_preemptions > 0
+    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
+
+
+def test_at_the_same_memory_more_requests_run_at_once(checkpoints):
+    """The seed's argument, one link on: the same bytes of K/V hold more requests at once when the
+    windows give back what they left."""
+    path, _ = checkpoints["sliding"]
+    batch = prompts(seed=4, lengths=(40,) * 12)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    memory = dict(kv_cache_memory=32 * BS * 1024, max_model_len=96)  # 32 blocks of 4 layers (1 KiB a token)
+    most = {}
+    for hybrid in (True, False):
+        llm = LLM(path, disable_hybrid_kv_cache_manager=not hybrid, **memory, **HYBRID)
+        assert llm.scheduler.block_manager.num_total_blocks == 32 - hybrid  # the null block, taken for good
+        for i, prompt in enumerate(batch):
+            llm.engine.add_request(i, {"prompt_token_ids": prompt}, params)
+        most[hybrid] = 0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            most[hybrid] = max(most[hybrid], llm.scheduler.make_stats().num_running_reqs)
+    assert most[True] >= 3 * most[False], most
