@@ -224,6 +224,7 @@ class HybridKVCacheManager:
         self.block_size = coordinator.groups[0].spec.block_size
         self.prefix_cache = None  # no prefix cache: a model with sliding windows is served without one
         self.num_tokens: dict[Hashable, int] = {}  # tokens each request's blocks hold
+        self.num_skipped_blocks: dict[Hashable, int] = {}  # null blocks in its lists, every group together
 
     @property
     def num_total_blocks(self) -> int:
@@ -258,6 +259,10 @@ class HybridKVCacheManager:
         if new is None:
             return None
         self.num_tokens[seq.seq_id] = total
+        size = self.block_size  # the null blocks are the whole blocks skipped, as the windows stand now
+        self.num_skipped_blocks[seq.seq_id] = sum(
+            min(len(m.req_to_blocks[seq.seq_id]), m.get_num_skipped_tokens(seq.num_computed_tokens) // size)
+            for m in self.coordinator.managers if isinstance(m, SlidingWindowManager))
         return new if any(new) else ()
 
     def can_allocate_slots(self, seq: Seq, num_new_tokens: int) -> bool:
@@ -275,18 +280,15 @@ class HybridKVCacheManager:
     def free(self, seq: Seq) -> None:
         self.coordinator.free(seq.seq_id)
         self.num_tokens.pop(seq.seq_id, None)
+        self.num_skipped_blocks.pop(seq.seq_id, None)
 
     def block_ids(self, seq: Seq) -> tuple[list[int], ...]:
         return self.coordinator.block_ids(seq.seq_id)
 
     def num_slots(self) -> tuple[int, int]:
-        """(slots holding K/V a query may still read, slots held), over every group's blocks."""
-        coordinator = self.coordinator
-        size = coordinator.groups[0].spec.block_size
-        held = (coordinator.allocator.num_total_blocks - coordinator.allocator.num_free_blocks - 1) * size
-        holding = 0
-        for manager in coordinator.managers:
-            for req_id, blocks in manager.req_to_blocks.items():
-                skipped = sum(b == coordinator.null_block for b in blocks)
-                holding += self.num_tokens[req_id] - skipped * size
+        """(slots holding K/V a query may still read, slots held), over every group's blocks: one sum
+        over the requests, not a walk over their blocks."""
+        size, groups = self.block_size, len(self.coordinator.managers)
+        held = (self.allocator.num_total_blocks - self.allocator.num_free_blocks - 1) * size
+        holding = groups * sum(self.num_tokens.values()) - size * sum(self.num_skipped_blocks.values())
         return holding, held

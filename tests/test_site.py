@@ -371,7 +371,7 @@ LEARNERS_PATH = ["exercises/index", *[f"{kind} {n}" for n in range(10)
                                       for kind in ("stage", "tutorial", "exercise")],
                  "tutorial serving", "serving", "stage 10", "tutorial 10", "exercise 10", "stage 11", "tutorial 11",
                  "exercise 11", "stage 12", "tutorial 12", "exercise 12", "stage 13", "tutorial 13", "exercise 13",
-                 "stage 14", "tutorial 14", "exercise 14", "benchmarks"]
+                 "stage 14", "tutorial 14", "exercise 14", "stage 15", "tutorial 15", "exercise 15", "benchmarks"]
 
 
 def _check_learners_path(pages: list[str]) -> None:
@@ -392,7 +392,8 @@ def test_the_path_check_finds_a_page_out_of_order():
              "exercises/stage10.html", "stages/11_x.html", "tutorials/11_x.html", "exercises/stage11.html",
              "stages/12_x.html", "tutorials/12_x.html", "exercises/stage12.html", "stages/13_x.html",
              "tutorials/13_x.html", "exercises/stage13.html", "stages/14_x.html", "tutorials/14_x.html",
-             "exercises/stage14.html", "benchmarks.html", "api.html"]
+             "exercises/stage14.html", "stages/15_x.html", "tutorials/15_x.html", "exercises/stage15.html",
+             "benchmarks.html", "api.html"]
     _check_learners_path(good)
     swapped = good.copy()
     swapped[4], swapped[5] = swapped[5], swapped[4]  # tutorial 0 before its stage page

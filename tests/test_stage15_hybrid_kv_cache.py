@@ -188,7 +188,12 @@ def test_a_decoding_request_holds_a_windows_worth_of_blocks_in_a_sliding_group(c
         llm.engine.step()
         request = llm.engine.requests.get("r")
         if request is not None and not request.is_finished():
-            held.append(sum(b != 0 for b in llm.scheduler.kv_cache_manager.block_ids(request.seqs[0])[0]))
+            manager = llm.scheduler.kv_cache_manager
+            blocks = manager.block_ids(request.seqs[0])[0]
+            held.append(sum(b != manager.coordinator.null_block for b in blocks))
+            real = [b for b in blocks if b != manager.coordinator.null_block]  # the slots counted, block by block
+            tokens_held = manager.num_tokens[request.seqs[0].seq_id]
+            assert manager.num_slots() == (tokens_held - (len(blocks) - len(real)) * BS, len(real) * BS)
     assert max(held[1:]) <= -(-(W - 1) // BS) + 1  # the window behind the next query, and the next slot's block
     assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
 
