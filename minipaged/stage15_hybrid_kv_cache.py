@@ -259,9 +259,9 @@ class HybridKVCacheManager:
         if new is None:
             return None
         self.num_tokens[seq.seq_id] = total
-        size = self.block_size  # the null blocks are the whole blocks skipped, as the windows stand now
+        computed, size = seq.num_computed_tokens, self.block_size  # the null blocks: the whole blocks skipped
         self.num_skipped_blocks[seq.seq_id] = sum(
-            min(len(m.req_to_blocks[seq.seq_id]), m.get_num_skipped_tokens(seq.num_computed_tokens) // size)
+            min(len(m.req_to_blocks[seq.seq_id]), m.get_num_skipped_tokens(computed) // size)
             for m in self.coordinator.managers if isinstance(m, SlidingWindowManager))
         return new if any(new) else ()
 
