@@ -50,7 +50,7 @@ unit: $(STAMP)
 # processes, servers, compiled kernels) run once.
 unit-default-simd: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -p no:cacheprovider -q -n auto --dist worksteal \
-		-m "(stage0 or stage4 or stage5 or stage7 or stage8 or stage9 or stage10 or stage11 or stage12 or stage13 or stage14) and not rounding_free" \
+		-m "(stage0 or stage4 or stage5 or stage7 or stage8 or stage9 or stage10 or stage11 or stage12 or stage13 or stage14 or stage15) and not rounding_free" \
 		tests/test_stage*.py
 
 # Every plausible wrong implementation in the catalogue must fail its stage's tests.
