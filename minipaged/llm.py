@@ -17,7 +17,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | | its scheduler side is the scheduler's ``connector``, its worker side the runner's and the attention's | |
 | | (with ``tensor_parallel_size > 1``: every worker's, over its shard, and a stand-in the runner's) | 11 |
 | KV cache manager | a model with sliding-window layers, under V1: a hybrid cache, a block table per group | 15 |
-| | (not with ``disable_hybrid_kv_cache_manager``, prefix caching, FP8, tensor parallelism, | |
+| | (not with ``disable_hybrid_kv_cache_manager``, FP8, tensor parallelism, | |
 | | a connector or CUDA graphs: every block kept) | |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
@@ -181,7 +181,7 @@ class LLM:
         c, windows = self.config, [self.model_config.window_of(layer) for layer in range(self.model_config.num_layers)]
         served = (c.scheduler == "v1" and c.stage >= 15 and not c.disable_hybrid_kv_cache_manager
                   and c.tensor_parallel_size == 1 and not c.fp8_kv_cache and c.kv_transfer_config is None
-                  and not c.uses_cuda_graphs and not c.enable_prefix_caching)
+                  and not c.uses_cuda_graphs)
         return kv_cache_groups(windows, c.block_size) if served and any(windows) else None
 
     def hybrid_num_blocks(self) -> int:
@@ -213,8 +213,9 @@ class LLM:
         kv_cache_manager: Any
         connector = None
         if self.kv_cache_groups is not None:  # a hybrid cache: a manager per group over one pool
-            kv_cache_manager = HybridKVCacheManager(HybridKVCacheCoordinator(self.kv_cache_groups, c.num_gpu_blocks),
-                                                    c.max_num_batched_tokens)
+            caching = bool(c.enable_prefix_caching)
+            coordinator = HybridKVCacheCoordinator(self.kv_cache_groups, c.num_gpu_blocks, caching)
+            kv_cache_manager = HybridKVCacheManager(coordinator, c.max_num_batched_tokens)
         else:
             assert block_manager is not None
             kv_cache_manager = KVCacheManager(block_manager)

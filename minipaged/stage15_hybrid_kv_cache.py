@@ -26,12 +26,14 @@ block ids go to the runner one list per group (vLLM's ``tuple[list[int], ...]``)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from minipaged.common.sequence import Sequence as Seq
 from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import PagedKVCache
+from minipaged.stage9_prefix_caching import ROOT, PrefixCachingAllocator, block_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,11 +115,19 @@ def share_layers(cache: PagedKVCache, groups: list[KVCacheGroupSpec]) -> PagedKV
     # END SOLUTION
 
 
-class SingleTypeKVCacheManager:
-    """One group's blocks: a list per request, position ``i`` holding tokens ``i * block_size ..``."""
+def block_hash_with_group_id(digest: bytes, group_id: int) -> bytes:
+    """A block's name in one group's cache: its stage-9 hash and the group's index (vLLM's
+    ``make_block_hash_with_group_id``); the same tokens hold different K/V in different layers."""
+    return digest + group_id.to_bytes(4, "big")
 
-    def __init__(self, spec: KVCacheSpec, allocator: BlockAllocator, null_block: int) -> None:
-        self.spec, self.allocator, self.null_block = spec, allocator, null_block
+
+class SingleTypeKVCacheManager:
+    """One group's blocks: a list per request, position ``i`` holding tokens ``i * block_size ..``.
+    With prefix caching (a ``PrefixCachingAllocator``), its full blocks are named and found again."""
+
+    def __init__(self, spec: KVCacheSpec, allocator: BlockAllocator | PrefixCachingAllocator, null_block: int,
+                 group_id: int = 0) -> None:
+        self.spec, self.allocator, self.null_block, self.group_id = spec, allocator, null_block, group_id
         self.req_to_blocks: dict[Hashable, list[int]] = {}
 
     def get_num_blocks_to_allocate(self, req_id: Hashable, num_tokens: int) -> int:
@@ -129,11 +139,37 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks.setdefault(req_id, []).extend(new)
         return new
 
+    def get_cached_block(self, block_hashes: Sequence[bytes], i: int) -> int | None:
+        """The cached block of this group holding the request's block ``i``, or None."""
+        assert isinstance(self.allocator, PrefixCachingAllocator)
+        return self.allocator.get_cached_block(block_hash_with_group_id(block_hashes[i], self.group_id))
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[int]:
+        """The blocks that let a request skip computing its first ``len(result) * block_size`` tokens
+        (at most ``max_length``) in this group: each cached, or the null block where no query reads it."""
+        raise NotImplementedError
+
+    def save_computed_blocks(self, req_id: Hashable, blocks: list[int]) -> None:
+        """A new request's first blocks are the cached ones found: a reference to each."""
+        for block in blocks:
+            if block != self.null_block:
+                assert isinstance(self.allocator, PrefixCachingAllocator)
+                self.allocator.touch(block)
+        self.req_to_blocks[req_id] = list(blocks)
+
+    def cache_blocks(self, req_id: Hashable, block_hashes: Sequence[bytes], start: int, stop: int) -> None:
+        """The request's blocks ``start .. stop - 1``, full and computed, become findable (a block a window
+        gives back was named before: the step that computes a block names it)."""
+        blocks = self.req_to_blocks[req_id]
+        assert isinstance(self.allocator, PrefixCachingAllocator)
+        for i in range(start, stop):
+            self.allocator.cache(blocks[i], block_hash_with_group_id(block_hashes[i], self.group_id))
+
     def remove_skipped_blocks(self, req_id: Hashable, num_computed_tokens: int) -> None:
         """Give back the blocks no query from position ``num_computed_tokens`` on reads: none here."""
 
     def free(self, req_id: Hashable) -> None:
-        """Every block of the request back to the pool, the null block excepted."""
+        """Every block of the request back to the pool (a cached one keeps its name), the null block excepted."""
         for block in reversed(self.req_to_blocks.pop(req_id, [])):
             if block != self.null_block:
                 self.allocator.free(block)
@@ -141,6 +177,18 @@ class SingleTypeKVCacheManager:
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """A full-attention group: a block stays until its request ends."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[int]:
+        """Every block from the first on is read: the cached blocks up to the first miss."""
+        hits: list[int] = []
+        # BEGIN SOLUTION from block 0, up to the first miss
+        for i in range(max_length // self.spec.block_size):
+            block = self.get_cached_block(block_hashes, i)
+            if block is None:
+                break
+            hits.append(block)
+        # END SOLUTION
+        return hits
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -166,20 +214,57 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             blocks[i] = self.null_block
         # END SOLUTION
 
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[int]:
+        """vLLM's rule: a hit of ``L`` tokens needs only the blocks of the ``sliding_window - 1`` keys
+        before position ``L`` (the next query's window), the null block before them. Walk back from
+        ``max_length`` to the last run of that many cached blocks; without one, the run from block 0."""
+        assert isinstance(self.spec, SlidingWindowSpec)
+        hits = [self.null_block] * (max_length // self.spec.block_size)
+        run = 0  # cached blocks in a row, from i on
+        # BEGIN SOLUTION the blocks behind L's query; walk back; a miss starts the run again; enough ends it
+        needed = cdiv(self.spec.sliding_window - 1, self.spec.block_size)
+        for i in reversed(range(len(hits))):
+            block = self.get_cached_block(block_hashes, i)
+            if block is None:
+                run = 0
+                continue
+            hits[i], run = block, run + 1
+            if run >= needed:
+                return hits[:i + run]
+        return hits[:run]  # blocks 0 .. run - 1, every one cached
+        # END SOLUTION
 
-def manager_for(spec: KVCacheSpec, allocator: BlockAllocator, null_block: int) -> SingleTypeKVCacheManager:
+
+def manager_for(spec: KVCacheSpec, allocator: BlockAllocator | PrefixCachingAllocator, null_block: int,
+                group_id: int = 0) -> SingleTypeKVCacheManager:
     cls = SlidingWindowManager if isinstance(spec, SlidingWindowSpec) else FullAttentionManager
-    return cls(spec, allocator, null_block)
+    return cls(spec, allocator, null_block, group_id)
 
 
 class HybridKVCacheCoordinator:
-    """The groups' managers over one pool of blocks; block 0 is the null block."""
+    """The groups' managers over one pool of blocks (with ``enable_caching``, a prefix cache's); block 0
+    is the null block."""
 
-    def __init__(self, groups: list[KVCacheGroupSpec], num_blocks: int) -> None:
-        self.groups = groups
-        self.allocator = BlockAllocator(num_blocks)
+    def __init__(self, groups: list[KVCacheGroupSpec], num_blocks: int, enable_caching: bool = False) -> None:
+        self.groups, self.enable_caching = groups, enable_caching
+        self.allocator = PrefixCachingAllocator(num_blocks) if enable_caching else BlockAllocator(num_blocks)
         self.null_block = self.allocator.allocate(1)[0]  # taken for good, never written
-        self.managers = [manager_for(g.spec, self.allocator, self.null_block) for g in groups]
+        self.managers = [manager_for(g.spec, self.allocator, self.null_block, i) for i, g in enumerate(groups)]
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               max_length: int) -> tuple[tuple[list[int], ...], int]:
+        """The longest prefix that every group can skip, and each group's blocks for it. A group's hit
+        may be shorter than another's, and a sliding group's hit within a shorter length is not its
+        hit cut short: ask every group again within the shortest, until all agree."""
+        length, size = max_length, self.groups[0].spec.block_size
+        # BEGIN SOLUTION every group within the shortest hit, until they all agree
+        while True:
+            hits = tuple(m.find_longest_cache_hit(block_hashes, length) for m in self.managers)
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
+                return hits, shortest * size
+            length = shortest * size
+        # END SOLUTION
 
     def allocate_slots(self, req_id: Hashable, num_computed_tokens: int,
                        num_tokens: int) -> tuple[list[int], ...] | None:
@@ -202,8 +287,15 @@ class HybridKVCacheCoordinator:
         for manager in self.managers:
             if isinstance(manager, SlidingWindowManager):
                 skipped = manager.get_num_skipped_tokens(num_computed_tokens) // size  # whole blocks
-                freed += sum(b != self.null_block for b in manager.req_to_blocks.get(req_id, [])[:skipped])
+                freed += sum(self.goes_back(b) for b in manager.req_to_blocks.get(req_id, [])[:skipped])
         return sum(m.get_num_blocks_to_allocate(req_id, num_tokens) for m in self.managers) - freed
+
+    def goes_back(self, block: int) -> bool:
+        """Whether freeing ``block`` gives it back to the pool: not the null block, nor one another
+        request shares (prefix caching)."""
+        if block == self.null_block:
+            return False
+        return not isinstance(self.allocator, PrefixCachingAllocator) or self.allocator.ref_count(block) == 1
 
     def block_ids(self, req_id: Hashable) -> tuple[list[int], ...]:
         return tuple(list(m.req_to_blocks.get(req_id, [])) for m in self.managers)
@@ -222,9 +314,11 @@ class HybridKVCacheManager:
         self.coordinator, self.max_num_batched_tokens = coordinator, max_num_batched_tokens
         self.manager, self.allocator = self, coordinator.allocator
         self.block_size = coordinator.groups[0].spec.block_size
-        self.prefix_cache = None  # no prefix cache: a model with sliding windows is served without one
+        self.prefix_cache = self.allocator if coordinator.enable_caching else None
         self.num_tokens: dict[Hashable, int] = {}  # tokens each request's blocks hold
-        self.num_skipped_blocks: dict[Hashable, int] = {}  # null blocks in its lists, every group together
+        self.block_hashes: dict[Hashable, list[bytes]] = {}  # with prefix caching: its full blocks' names
+        self.num_cached_blocks: dict[Hashable, int] = {}  # ... and how many of them are findable
+        self.uncached_reads: weakref.WeakValueDictionary[Hashable, Seq] = weakref.WeakValueDictionary()
 
     @property
     def num_total_blocks(self) -> int:
@@ -241,16 +335,33 @@ class HybridKVCacheManager:
     def get_block_table(self, seq_id: Hashable) -> tuple[list[int], ...]:
         return self.coordinator.block_ids(seq_id)
 
+    def skip_cache_reads(self, seq: Seq) -> None:
+        """``seq`` reads no cached block (it asked for ``prompt_logprobs``)."""
+        self.uncached_reads[seq.seq_id] = seq
+
     def allocate_prompt(self, seq: Seq) -> int | None:
         """Blocks, in every group, for the tokens of a new (or recomputed) sequence that its first step
-        may compute: at most ``max_num_batched_tokens`` (each later chunk takes its own, as a decode
-        does, once the window has given back what it left). 0 tokens found computed; None if too few
-        blocks are free."""
-        first = min(len(seq), self.max_num_batched_tokens)
-        if self.coordinator.allocate_slots(seq.seq_id, 0, first) is None:
+        may compute: the cached prefix every group can skip (with prefix caching), then at most
+        ``max_num_batched_tokens`` more (each later chunk takes its own, as a decode does, once the
+        window has given back what it left). The tokens found computed; None if too few blocks are free."""
+        coordinator, seq_id, computed = self.coordinator, seq.seq_id, 0
+        if coordinator.enable_caching:
+            tokens, size, digest = seq.token_ids, self.block_size, ROOT
+            hashes = self.block_hashes[seq_id] = []
+            for start in range(0, len(tokens) // size * size, size):
+                digest = block_hash(digest, tokens[start:start + size])
+                hashes.append(digest)
+            reads = 0 if seq_id in self.uncached_reads else (len(tokens) - 1) // size * size  # the last token: computed
+            hits, computed = coordinator.find_longest_cache_hit(hashes, reads)
+            for manager, blocks in zip(coordinator.managers, hits):
+                manager.save_computed_blocks(seq_id, blocks)
+            self.num_cached_blocks[seq_id] = computed // size
+        first = min(len(seq), computed + self.max_num_batched_tokens)
+        if coordinator.allocate_slots(seq_id, computed, first) is None:
+            self.free(seq)  # the cached blocks found go back
             return None
-        self.num_tokens[seq.seq_id] = first
-        return 0
+        self.num_tokens[seq_id] = first
+        return computed
 
     def allocate_slots(self, seq: Seq, num_new_tokens: int) -> tuple[list[int], ...] | None:
         """Stage 10's: each group's new block ids (``()`` when no group takes one), or None."""
@@ -259,10 +370,6 @@ class HybridKVCacheManager:
         if new is None:
             return None
         self.num_tokens[seq.seq_id] = total
-        computed, size = seq.num_computed_tokens, self.block_size  # the null blocks: the whole blocks skipped
-        self.num_skipped_blocks[seq.seq_id] = sum(
-            min(len(m.req_to_blocks[seq.seq_id]), m.get_num_skipped_tokens(computed) // size)
-            for m in self.coordinator.managers if isinstance(m, SlidingWindowManager))
         return new if any(new) else ()
 
     def can_allocate_slots(self, seq: Seq, num_new_tokens: int) -> bool:
@@ -272,23 +379,35 @@ class HybridKVCacheManager:
                                                        total) <= self.allocator.num_free_blocks
 
     def cache_blocks(self, seq: Seq, num_computed_tokens: int) -> None:
-        """No prefix cache: nothing to name."""
+        """With prefix caching, the full blocks of the first ``num_computed_tokens`` tokens the sequence
+        was allocated with become findable, in every group (stage 10's rule: as soon as a step is
+        scheduled to compute them)."""
+        hashes = self.block_hashes.get(seq.seq_id)
+        if hashes is None:
+            return
+        start, stop = self.num_cached_blocks[seq.seq_id], min(num_computed_tokens // self.block_size, len(hashes))
+        for manager in self.coordinator.managers:
+            manager.cache_blocks(seq.seq_id, hashes, start, stop)
+        self.num_cached_blocks[seq.seq_id] = max(start, stop)
 
     def reset_prefix_cache(self) -> None:
-        """No prefix cache: nothing to forget."""
+        """Forget every cached block (after a step that failed)."""
+        if isinstance(self.allocator, PrefixCachingAllocator):
+            self.allocator.reset_prefix_cache()
 
     def free(self, seq: Seq) -> None:
         self.coordinator.free(seq.seq_id)
-        self.num_tokens.pop(seq.seq_id, None)
-        self.num_skipped_blocks.pop(seq.seq_id, None)
+        for held in (self.num_tokens, self.block_hashes, self.num_cached_blocks):
+            held.pop(seq.seq_id, None)
 
     def block_ids(self, seq: Seq) -> tuple[list[int], ...]:
         return self.coordinator.block_ids(seq.seq_id)
 
     def num_slots(self) -> tuple[int, int]:
-        """(slots holding K/V a query may still read, slots held), over every group's blocks: one sum
-        over the requests, not a walk over their blocks."""
+        """(slots holding K/V a query may still read, slots held), over every group's blocks, without
+        walking them: a group's list for a request covers its tokens (null blocks too) and only its
+        last block can be part full, so the slack is one sum over the requests."""
         size, groups = self.block_size, len(self.coordinator.managers)
         held = (self.allocator.num_total_blocks - self.allocator.num_free_blocks - 1) * size
-        holding = groups * sum(self.num_tokens.values()) - size * sum(self.num_skipped_blocks.values())
-        return holding, held
+        slack = groups * sum(cdiv(n, size) * size - n for n in self.num_tokens.values())
+        return held - slack, held

@@ -39,6 +39,7 @@ import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 from minipaged import stage8_sharing
 from minipaged.common.sampling_params import SamplingParams
@@ -126,21 +127,31 @@ class PrefixCachingAllocator:
 
     def lookup(self, digest: bytes) -> int | None:
         """The cached block named ``digest``, with one more reference for the caller; None if there is none.
+        Counts the lookup, and the hit if it is one (``make_stats``)."""
+        block_id = self.get_cached_block(digest)
+        if block_id is not None:
+            self.touch(block_id)
+        return block_id
 
-        A block waiting in the evictor leaves it (its reference becomes the caller's); a block in
-        use is shared (``incref``). Counts the lookup, and the hit if it is one (``make_stats``).
-        """
+    def get_cached_block(self, digest: bytes) -> int | None:
+        """The cached block named ``digest``, or None; no reference taken (vLLM's name). Counts the
+        lookup, and the hit if it is one."""
         self._stats.queries += 1
-        # BEGIN SOLUTION revive it from the evictor (its reference becomes the caller's), or share it
+        # BEGIN SOLUTION
         block_id = self.cached.get(digest)
-        if block_id is None:
-            return None
-        self._stats.hits += 1
+        if block_id is not None:
+            self._stats.hits += 1
+        return block_id
+        # END SOLUTION
+
+    def touch(self, block_id: int) -> None:
+        """One more reference to a cached block (vLLM's name): a block waiting in the evictor leaves it
+        (its reference becomes the caller's); a block in use is shared (``incref``)."""
+        # BEGIN SOLUTION revive it from the evictor, or share it
         if block_id in self.evictor:
             del self.evictor[block_id]
         else:
             self.inner.incref(block_id)
-        return block_id
         # END SOLUTION
 
     def make_stats(self) -> PrefixCacheStats:
@@ -251,9 +262,16 @@ class PrefixCachingBlockSpaceManager(SwapBlockSpaceManager):
         super().free(seq_id)
 
 
+@runtime_checkable
+class CacheReader(Protocol):
+    """A block manager whose sequences read a prefix cache, and can be told not to."""
+
+    def skip_cache_reads(self, seq: Seq) -> None: ...
+
+
 def skip_cache_reads_for_prompt_logprobs(block_manager: object, seqs: Iterable[Seq], params: SamplingParams) -> None:
     """A request asking for ``prompt_logprobs`` reads no cached block: its sequences are told so."""
-    if params.prompt_logprobs is not None and isinstance(block_manager, PrefixCachingBlockSpaceManager):
+    if params.prompt_logprobs is not None and isinstance(block_manager, CacheReader):
         for seq in seqs:
             block_manager.skip_cache_reads(seq)
 

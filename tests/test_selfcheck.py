@@ -1141,9 +1141,9 @@ def test_stage15_page_ends_with_a_self_check_and_an_interview_answer():
                            (PAGE15.with_name("15_hybrid_kv_cache.zh.md"),
                             ("{#self-check}", "{#explain-it-in-an-interview}"))):
         text = page.read_text(encoding="utf-8")
-        assert len(answers(page)) == len(answers(PAGE15)) == 5, page.name
+        assert len(answers(page)) == len(answers(PAGE15)) == 6, page.name
         assert text.index(headings[0]) < text.index(headings[1]), page.name
-        assert [bool(bold_spans(page, i)) for i in range(5)] == [True] * 3 + [False] * 2  # the last two in words
+        assert [bool(bold_spans(page, i)) for i in range(6)] == [True] * 4 + [False] * 2  # the last two in words
 
 
 def test_stage15_the_blocks_a_window_gives_back():
@@ -1166,6 +1166,27 @@ def test_stage15_gemma_3s_groups():
     groups = kv_cache_groups([1024] * 5 + [None] + [1024] * 5 + [None], 16)
     cache = share_layers(PagedKVCache(group_size(groups), 2, 16, 1, 8), groups)
     check15(1, len(groups), group_size(groups), len({id(t) for t in cache.key_cache}))
+
+
+def test_stage15_a_prefix_hit_over_a_window_whose_early_blocks_were_evicted():
+    from minipaged.common.sequence import Sequence
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, HybridKVCacheManager, kv_cache_groups
+
+    coordinator = HybridKVCacheCoordinator(kv_cache_groups([128], 16), 200, enable_caching=True)
+    manager = HybridKVCacheManager(coordinator, 8192)
+    shared = list(range(992))
+    first = Sequence(shared + [5] * 8)
+    manager.allocate_prompt(first)
+    manager.cache_blocks(first, 1000)
+    coordinator.managers[0].remove_skipped_blocks(first.seq_id, 1000)  # its window gave blocks 0 .. 53 back
+    manager.free(first)  # then the rest: 54 .. 61 are the most recently freed
+    taken = coordinator.allocator.allocate(coordinator.allocator.num_free_blocks - 8)  # evicts every other one
+    coordinator.allocator.free(taken[0])  # one block free for the new request's last token
+    second = Sequence(shared + [7] * 8)
+    skipped = manager.allocate_prompt(second)
+    (sliding,) = manager.block_ids(second)
+    cached = sliding[:skipped // 16]
+    check15(3, len(cached) - cached.count(coordinator.null_block), cached.count(coordinator.null_block), f"{skipped:,}")
 
 
 def test_stage15_a_long_request_on_a_five_to_one_model():

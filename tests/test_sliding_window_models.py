@@ -26,6 +26,7 @@ MODELS = {  # a full layer, then two that slide; every layer sliding
     "sliding": ("MistralConfig", dict(COMMON, sliding_window=WINDOW)),
 }
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+KEEP = dict(block_size=4, disable_hybrid_kv_cache_manager=True)  # every block kept: the windows alone (stage 15 frees)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_layer_types_that_do_not_fit_the_model_are_refused(layer_types):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_sliding_window_model_equals_transformers_past_its_window(checkpoints, name, tmp_path):
     path, hf_model = checkpoints[name]
-    llm = LLM(path, num_gpu_blocks=64, block_size=4)
+    llm = LLM(path, num_gpu_blocks=64, **KEEP)
     assert_equal_to_hf(llm, hf_model, prompts(), steps=20)
     shutil.copytree(path, tmp_path / "full")  # the same weights, no layer sliding
     config = json.loads((tmp_path / "full" / "config.json").read_text())
@@ -100,8 +101,8 @@ def test_the_features_that_change_a_steps_queries_keep_the_windowed_outputs(chec
     path, _ = checkpoints["mixed"]
     shared = prompts(seed=1, lengths=(30,))[0]
     batch = [shared + p for p in prompts(seed=2, lengths=(2, 11))] + prompts(seed=3, lengths=(19, 5, 40))
-    kwargs = dict(num_gpu_blocks=96, block_size=4) | features
-    plain = tokens(LLM(path, num_gpu_blocks=96, block_size=4), batch)
+    kwargs = dict(num_gpu_blocks=96, **KEEP) | features
+    plain = tokens(LLM(path, num_gpu_blocks=96, **(KEEP | dict(enable_prefix_caching=False))), batch)
     llm = LLM(path, **kwargs)
     assert tokens(llm, batch[:1]) + tokens(llm, batch[1:]) == plain[:1] + plain[1:]
     if "max_model_len" in features:
@@ -111,16 +112,16 @@ def test_the_features_that_change_a_steps_queries_keep_the_windowed_outputs(chec
 def test_tensor_parallel_workers_keep_each_layers_window(checkpoints):
     path, _ = checkpoints["mixed"]
     batch = prompts(seed=4, lengths=(25, 12, 33))
-    plain = tokens(LLM(path, num_gpu_blocks=64, block_size=4), batch)
+    plain = tokens(LLM(path, num_gpu_blocks=64, **KEEP), batch)
     with LLM(path, num_gpu_blocks=64, block_size=4, tensor_parallel_size=2) as llm:
         assert tokens(llm, batch) == plain
 
 
 @pytest.mark.parametrize("features", [
-    dict(enable_prefix_caching=True), dict(kv_cache_dtype="fp8"), dict(tensor_parallel_size=2),
+    dict(kv_cache_dtype="fp8"), dict(tensor_parallel_size=2),
     dict(kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "x"}}),
     dict(stage=14), dict(scheduler="v0"),
-], ids=["prefix-caching", "fp8", "tensor-parallel", "connector", "stage-14", "v0"])
+], ids=["fp8", "tensor-parallel", "connector", "stage-14", "v0"])
 def test_where_the_hybrid_manager_is_not_served_every_block_is_kept_and_the_windows_still_hold(checkpoints, features,
                                                                                                tmp_path):
     """As vLLM turns its hybrid manager off (with a KV connector, say), the engine keeps every block of

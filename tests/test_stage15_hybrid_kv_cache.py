@@ -18,6 +18,7 @@ from minipaged.stage15_hybrid_kv_cache import (
     HybridKVCacheManager,
     SlidingWindowManager,
     SlidingWindowSpec,
+    block_hash_with_group_id,
     group_size,
     kv_cache_groups,
     share_layers,
@@ -32,7 +33,7 @@ MODELS = {  # two full layers then two sliding ones; every layer sliding
     "mixed": ("Qwen2Config", dict(COMMON, use_sliding_window=True, sliding_window=W, max_window_layers=2)),
     "sliding": ("MistralConfig", dict(COMMON, sliding_window=W)),
 }
-HYBRID = dict(block_size=BS, enable_prefix_caching=False)
+HYBRID = dict(block_size=BS)  # the default engine: V1, prefix caching on
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
 
@@ -145,7 +146,7 @@ def test_the_kv_cache_manager_serves_stage_10s_scheduler_with_block_ids_per_grou
     ``max_num_batched_tokens`` tokens' worth, later chunks take theirs as they come."""
     groups = kv_cache_groups([None, W], BS)
     manager = HybridKVCacheManager(HybridKVCacheCoordinator(groups, 1 + 40), max_num_batched_tokens=8)
-    seq = Sequence("s", list(range(30)))
+    seq = Sequence(list(range(30)), seq_id="s")
     assert manager.allocate_prompt(seq) == 0 and [len(b) for b in manager.block_ids(seq)] == [2, 2]
     seq.num_computed_tokens = 8
     assert [len(b) for b in manager.allocate_slots(seq, 8)] == [2, 2]  # tokens 8 .. 15; nothing skipped yet
@@ -158,6 +159,110 @@ def test_the_kv_cache_manager_serves_stage_10s_scheduler_with_block_ids_per_grou
     assert manager.blocks_needed(30) == 8 + 5  # full: every block; sliding: window - 1 + a step, and one more
     manager.free(seq)
     assert manager.num_free_blocks == manager.num_total_blocks == 40
+
+
+# --- prefix caching: a sliding group's hit needs only the window's last blocks
+
+
+def cached_coordinator(windows, num_blocks=64):
+    """A coordinator with prefix caching, and a way to name block ``i`` of a request cached in a group."""
+    coordinator = HybridKVCacheCoordinator(kv_cache_groups(windows, BS), num_blocks, enable_caching=True)
+    hashes = [bytes([i]) * 32 for i in range(16)]  # stand-ins for stage 9's chained names
+
+    def cache(group, indices):
+        for i in indices:
+            block = coordinator.allocator.allocate(1)[0]
+            coordinator.allocator.cache(block, block_hash_with_group_id(hashes[i], group))
+            coordinator.allocator.free(block)  # nobody holds it: it waits in the evictor, findable
+    return coordinator, hashes, cache
+
+
+def test_a_full_attention_group_hits_the_cached_blocks_up_to_the_first_miss():
+    coordinator, hashes, cache = cached_coordinator([None])
+    cache(0, [0, 1, 2, 4, 5])
+    assert len(coordinator.managers[0].find_longest_cache_hit(hashes, 6 * BS)) == 3
+    assert len(coordinator.managers[0].find_longest_cache_hit(hashes, 2 * BS + 3)) == 2  # whole blocks within
+    cache(1, [3])  # another group's block of the same tokens: not this group's
+    assert len(coordinator.managers[0].find_longest_cache_hit(hashes, 6 * BS)) == 3
+
+
+@pytest.mark.parametrize("window, cached, max_blocks, hit", [
+    (W, [0, 1, 2, 3, 4, 5], 6, 6),
+    (5, [1, 3], 4, 4),  # window 5: one block behind token 16 (tokens 12 .. 15)
+    (W, [4, 5], 6, 6),  # the first blocks evicted: the window behind token 24 is tokens 17 .. 23, blocks 4 and 5
+    (W, [3, 5], 6, 0),  # never two in a row, and block 0 missing: nothing
+    (W, [0, 3, 5], 6, 1),  # no two in a row: the run from block 0
+    (W, [1, 2, 4], 6, 3),  # walking back: 4, a miss at 3, then 2 and 1
+    (W, [1, 2, 4, 5], 4, 3),  # within 4 blocks: 5 and 4 are past the end
+], ids=["all", "window-5", "early-evicted", "none", "run-from-0", "walk-back", "within"])
+def test_a_sliding_group_hits_where_the_window_behind_the_hit_is_cached(window, cached, max_blocks, hit):
+    """Window 8, blocks of 4: a hit of ``L`` tokens needs the blocks of tokens ``L - 7 .. L - 1``: two
+    blocks; those before are the null block (window 5: one block)."""
+    coordinator, hashes, cache = cached_coordinator([window])
+    cache(0, cached)
+    blocks = coordinator.managers[0].find_longest_cache_hit(hashes, max_blocks * BS)
+    assert len(blocks) == hit
+    behind = -(-(window - 1) // BS)
+    real = set(range(hit - behind, hit)) if hit >= behind else set(range(hit))
+    assert [b != coordinator.null_block for b in blocks] == [i in real for i in range(hit)]
+
+
+def test_the_groups_agree_on_one_hit_asking_again_within_the_shortest():
+    """A hit every group can skip. A sliding group's hit within a shorter length is not its longer hit
+    cut short: two windows (8: two blocks; 4: one block) need three rounds here."""
+    coordinator, hashes, cache = cached_coordinator([W, 4])
+    cache(0, [0, 1, 2, 3, 5])  # window 8: blocks 2, 3 (hit 4), 1, 2 (hit 3)
+    cache(1, [2, 5])  # window 4: block 5 (hit 6), block 2 (hit 3), never block 3 (hit 4)
+    hits, length = coordinator.find_longest_cache_hit(hashes, 6 * BS)
+    assert length == 3 * BS and [len(h) for h in hits] == [3, 3]
+    assert hits[1][:2] == [coordinator.null_block] * 2 and hits[1][2] != coordinator.null_block
+    coordinator, hashes, cache = cached_coordinator([None, W])
+    cache(0, [0, 1, 2, 3])
+    cache(1, [0, 1, 2, 3, 4, 5])
+    assert coordinator.find_longest_cache_hit(hashes, 6 * BS)[1] == 4 * BS  # the full group's, the shorter
+
+
+def test_a_new_request_takes_the_cached_blocks_found_and_gives_them_back_if_refused():
+    groups = kv_cache_groups([None, W], BS)
+    manager = HybridKVCacheManager(HybridKVCacheCoordinator(groups, 1 + 14, enable_caching=True), 32)
+    first = Sequence(list(range(24)), seq_id="a")
+    assert manager.allocate_prompt(first) == 0
+    manager.cache_blocks(first, 24)  # its 6 full blocks named, in both groups
+    held = manager.block_ids(first)
+    manager.free(first)  # every block waits in the evictor, still findable
+    assert manager.num_free_blocks == 14
+    second = Sequence(list(range(24)) + [99] * 5, seq_id="b")
+    assert manager.allocate_prompt(second) == 24  # 6 blocks of each group found
+    full, window = manager.block_ids(second)
+    null = manager.coordinator.null_block
+    assert full[:6] == held[0] and window[:6] == [null] * 4 + held[1][4:]  # the window behind token 24
+    assert manager.num_free_blocks == 14 - 8 - 2 * 2  # 6 + 2 found, 2 + 2 new for tokens 24 .. 28
+    stats = manager.allocator.make_stats()
+    assert stats.hits >= 8
+    third = Sequence(list(range(24)) + [7] * 30, seq_id="c")  # the same 8 found, then 16 new: 2 are free
+    assert manager.allocate_prompt(third) is None
+    assert manager.num_free_blocks == 2 and "c" not in manager.coordinator.managers[0].req_to_blocks
+    manager.reset_prefix_cache()  # nothing found any more
+    manager.free(second)
+    assert manager.allocate_prompt(Sequence(list(range(24)) + [1], seq_id="d")) == 0
+
+
+def test_a_shared_block_the_window_leaves_does_not_count_as_given_back():
+    """``can_allocate_slots`` counts a skipped block freed only when no other request holds it."""
+    groups = kv_cache_groups([W], BS)
+    manager = HybridKVCacheManager(HybridKVCacheCoordinator(groups, 1 + 8, enable_caching=True), 32)
+    a, b = Sequence(list(range(17)), seq_id="a"), Sequence(list(range(16)) + [5], seq_id="b")
+    manager.allocate_prompt(a)
+    manager.cache_blocks(a, 17)
+    assert manager.allocate_prompt(b) == 16  # blocks 2 and 3 (the window behind token 16) shared
+    assert manager.num_free_blocks == 8 - 5 - 1
+    a.num_computed_tokens = 17
+    assert manager.allocate_slots(a, 8) is not None  # to 25 tokens: blocks 0 and 1 back, 2 new
+    assert manager.num_free_blocks == 2
+    a.num_computed_tokens = 25  # the window behind token 25 starts at 18: blocks 2 and 3 skipped, but b's too
+    assert manager.can_allocate_slots(a, 7)  # to 32 tokens: 1 more
+    assert not manager.can_allocate_slots(a, 15)  # to 40: 3 more, 2 free, none given back
+    assert manager.allocate_slots(a, 15) is None
 
 
 # --- the engine
@@ -216,6 +321,46 @@ def test_the_hybrid_engine_under_each_feature_equals_the_engine_that_keeps_every
     if "num_gpu_blocks" in features:
         assert llm.stats.scheduler.num_preemptions > 0
     assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_with_prefix_caching_the_hybrid_engine_computes_what_stage_9_computes_and_the_same_tokens(checkpoints, name):
+    """A shared prefix longer than the window, asked one request after another: each later request skips
+    the prefix's whole blocks (the sliding groups holding only the window behind them), as the engine
+    that keeps every block skips them."""
+    path, _ = checkpoints[name]
+    shared = prompts(seed=5, lengths=(37,))[0]
+    batch = [shared + p for p in prompts(seed=6, lengths=(3, 12, 1, 20))]
+    engines = {"hybrid": dict(), "keep": dict(disable_hybrid_kv_cache_manager=True),
+               "uncached": dict(enable_prefix_caching=False)}
+    outputs, prefill = {}, {}
+    for key, kwargs in engines.items():
+        llm = LLM(path, block_size=BS, num_gpu_blocks=200, max_model_len=128, max_num_batched_tokens=16, **kwargs)
+        assert isinstance(llm.scheduler.kv_cache_manager, KVCacheManager if key == "keep" else HybridKVCacheManager)
+        outputs[key] = [tokens(llm, [p])[0] for p in batch] + tokens(llm, batch)
+        prefill[key] = llm.stats.engine.prefill_tokens
+        manager = llm.scheduler.block_manager
+        assert manager.num_free_blocks == manager.num_total_blocks
+    assert outputs["hybrid"] == outputs["keep"] == outputs["uncached"]
+    assert prefill["hybrid"] == prefill["keep"] < prefill["uncached"] - 6 * 36
+
+
+def test_a_request_asking_for_prompt_logprobs_reads_no_cached_block(checkpoints):
+    path, _ = checkpoints["mixed"]
+    prompt = prompts(seed=7, lengths=(30,))[0]
+    asked = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    found = {}
+    for hybrid in (True, False):
+        llm = LLM(path, num_gpu_blocks=200, max_model_len=128, disable_hybrid_kv_cache_manager=not hybrid, **HYBRID)
+        tokens(llm, [prompt])
+        before = llm.stats.engine.prefill_tokens
+        out = llm.generate([{"prompt_token_ids": prompt}], asked, use_tqdm=False)[0]
+        assert llm.stats.engine.prefill_tokens - before == len(prompt)  # the whole prompt computed
+        found[hybrid] = [sorted(p.items()) if p else None for p in out.prompt_logprobs]
+        before = llm.stats.engine.prefill_tokens
+        tokens(llm, [prompt])  # the same prompt, asking for none: its whole blocks are found
+        assert llm.stats.engine.prefill_tokens - before == len(prompt) - 28
+    assert found[True] == found[False]
 
 
 def test_at_the_same_memory_more_requests_run_at_once(checkpoints):

@@ -446,14 +446,13 @@ CATALOGUE: list[Mutant] = [
         "            self.evictor[block_id] = None  # the most recently used end",
         "            self.inner.free(block_id)")),
     m(9, "a hit does not take a reference", (
-        "        else:\n            self.inner.incref(block_id)\n        return block_id",
-        "        return block_id")),
+        "        else:\n            self.inner.incref(block_id)\n", "")),
     m(9, "the block of the last token is looked up too", (
         "reads = 0 if seq_id in self.uncached_reads else (len(token_ids) - 1) // size * size",
         "reads = 0 if seq_id in self.uncached_reads else len(token_ids) // size * size")),
     m(9, "the walk goes on after a miss", ("            if block_id is None:\n                break",
                                            "            if block_id is None:\n                continue")),
-    m(9, "hits are not counted", ("        self._stats.hits += 1\n", "")),
+    m(9, "hits are not counted", ("            self._stats.hits += 1\n", "            pass\n")),
     m(9, "a block named before it is full", ("full = min(num_tokens, len(tokens)) // size",
                                              "full = -(-min(num_tokens, len(tokens)) // size)")),
     # stage 10: V1's scheduler
@@ -675,6 +674,19 @@ CATALOGUE: list[Mutant] = [
     m(15, "the coordinator counts the first group's need only", (
         "needed = sum(m.get_num_blocks_to_allocate(req_id, num_tokens) for m in self.managers)",
         "needed = self.managers[0].get_num_blocks_to_allocate(req_id, num_tokens)")),
+    m(15, "a full group's walk goes on after a miss", ("            if block is None:\n                break\n",
+                                                       "            if block is None:\n                continue\n")),
+    m(15, "a sliding hit needs the window's blocks, not the keys' behind the query", (
+        "needed = cdiv(self.spec.sliding_window - 1, self.spec.block_size)",
+        "needed = cdiv(self.spec.sliding_window, self.spec.block_size)")),
+    m(15, "a miss does not start the run again", ("                run = 0\n                continue\n",
+                                                   "                continue\n")),
+    m(15, "a sliding hit at the first cached block met", ("            if run >= needed:", "            if run >= 1:")),
+    m(15, "without a run the sliding group hits nothing", ("        return hits[:run]  # blocks 0",
+                                                            "        return []  # blocks 0")),
+    m(15, "the groups asked once, each hit cut to the shortest", (
+        "            length = shortest * size\n",
+        "            return tuple(h[:shortest] for h in hits), shortest * size\n")),
 ]
 
 
