@@ -17,8 +17,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | | its scheduler side is the scheduler's ``connector``, its worker side the runner's and the attention's | |
 | | (with ``tensor_parallel_size > 1``: every worker's, over its shard, and a stand-in the runner's) | 11 |
 | KV cache manager | a model with sliding-window layers, under V1: a hybrid cache, a block table per group | 15 |
-| | (not with ``disable_hybrid_kv_cache_manager``, FP8, tensor parallelism, | |
-| | a connector or CUDA graphs: every block kept) | |
+| | (not with ``disable_hybrid_kv_cache_manager``, tensor parallelism or a connector: every block kept) | |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
@@ -180,8 +179,7 @@ class LLM:
         its hybrid manager off, or where it is not built here yet."""
         c, windows = self.config, [self.model_config.window_of(layer) for layer in range(self.model_config.num_layers)]
         served = (c.scheduler == "v1" and c.stage >= 15 and not c.disable_hybrid_kv_cache_manager
-                  and c.tensor_parallel_size == 1 and not c.fp8_kv_cache and c.kv_transfer_config is None
-                  and not c.uses_cuda_graphs)
+                  and c.tensor_parallel_size == 1 and c.kv_transfer_config is None)
         return kv_cache_groups(windows, c.block_size) if served and any(windows) else None
 
     def hybrid_num_blocks(self) -> int:
@@ -248,8 +246,10 @@ class LLM:
             cache = share_layers(cache, groups)
         if parts["attention"] is not None:
             self.attention = parts["attention"](c.attention_backend, cache)
-        if c.uses_cuda_graphs:
-            model = CUDAGraphModel(model, cache, self.attention, c.max_num_seqs, c.max_model_len)
+        if c.uses_cuda_graphs:  # each layer's group, where the layers keep several tables
+            group_of_layer = None if groups is None else [
+                next(g for g, group in enumerate(groups) if layer in group.layer_ids) for layer in range(mc.num_layers)]
+            model = CUDAGraphModel(model, cache, self.attention, c.max_num_seqs, c.max_model_len, group_of_layer)
         return model, cache
 
     def build_runner(self) -> ModelRunner | V1ModelRunner:

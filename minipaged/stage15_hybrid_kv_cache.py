@@ -34,6 +34,7 @@ from minipaged.common.sequence import Sequence as Seq
 from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage9_prefix_caching import ROOT, PrefixCachingAllocator, block_hash
+from minipaged.stage13_fp8_kv_cache import FP8PagedKVCache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -104,15 +105,21 @@ def group_size(groups: list[KVCacheGroupSpec]) -> int:
 def share_layers(cache: PagedKVCache, groups: list[KVCacheGroupSpec]) -> PagedKVCache:
     """``cache``, built with ``group_size(groups)`` layers, serving every layer of ``groups``: layer
     ``groups[g].layer_ids[j]`` uses tensor ``j``, as vLLM's hybrid cache shares one tensor among a layer
-    of each group. Memory for ``group_size`` layers per block, not for every layer."""
+    of each group. Memory for ``group_size`` layers per block, not for every layer. Each layer gets its
+    own view of its tensor, so that a layer is still told apart by its tensor (stage 13 keeps scales per
+    layer: an FP8 cache is given a pair for every layer)."""
     # BEGIN SOLUTION each layer's tensor is the one of its place in its group
     slot = {layer: j for g in groups for j, layer in enumerate(g.layer_ids)}
     keys, values = cache.key_cache, cache.value_cache
     cache.num_layers = len(slot)
-    cache.key_cache = [keys[slot[layer]] for layer in range(len(slot))]
-    cache.value_cache = [values[slot[layer]] for layer in range(len(slot))]
-    return cache
+    cache.key_cache = [keys[slot[layer]].view_as(keys[slot[layer]]) for layer in range(len(slot))]
+    cache.value_cache = [values[slot[layer]].view_as(values[slot[layer]]) for layer in range(len(slot))]
     # END SOLUTION
+    if isinstance(cache, FP8PagedKVCache):  # its scales, one pair a layer, each layer found by its tensor
+        n = len(slot)
+        cache.k_scale, cache.v_scale, cache.needs_scales = [1.0] * n, [1.0] * n, cache.needs_scales[:1] * n
+        cache.layers = {id(t): layer for layer, t in enumerate(cache.key_cache)}
+    return cache
 
 
 def block_hash_with_group_id(digest: bytes, group_id: int) -> bytes:

@@ -94,3 +94,30 @@ def test_a_replayed_step_reads_nothing_back_beyond_the_samplers_one_copy(graphs_
     assert llm.model.replays == replays + 1
     assert count.forward == 0, dict(count.in_forward)
     assert count.total == 1, dict(count.calls)
+
+
+def test_a_hybrid_cache_replays_with_a_slot_mapping_and_block_tables_per_group(graphs_on_a_cpu, tmp_path_factory):
+    """Stage 15's KV cache groups: the graphs' buffers hold each group's slots and tables, and each layer
+    reads its group's, as in an eager step."""
+    from helpers_checkpoints import save_random_checkpoints
+
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheManager
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    paths = save_random_checkpoints(tmp_path_factory, {"mixed": ("Qwen2Config", dict(
+        common, use_sliding_window=True, sliding_window=8, max_window_layers=2))})
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (3, 21, 12, 30, 5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kwargs = dict(num_gpu_blocks=96, block_size=4, max_num_seqs=8, max_model_len=64)
+    eager = LLM(paths["mixed"], enforce_eager=True, **kwargs)
+    graphs = LLM(paths["mixed"], **kwargs)
+    assert isinstance(graphs.model, CUDAGraphModel) and isinstance(graphs.scheduler.kv_cache_manager,
+                                                                   HybridKVCacheManager)
+    assert graphs.model.block_tables.shape[0] == len(graphs.kv_cache_groups) == 2
+    tokens = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)] == tokens
+    assert graphs.model.replays > 0
+    manager = graphs.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_total_blocks

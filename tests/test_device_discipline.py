@@ -78,6 +78,29 @@ def test_a_decode_step_reads_the_device_once_and_never_inside_the_forward(front,
     assert 1 <= count.total <= 2, dict(count.calls)
 
 
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_a_hybrid_decode_step_reads_the_device_once_with_metadata_per_group(backend, tmp_path_factory):
+    """Stage 15: two KV cache groups, a slot mapping and block tables for each, built from host arrays
+    and uploaded; each layer reads its group's, and the forward still reads nothing back."""
+    from helpers_checkpoints import save_random_checkpoints
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    paths = save_random_checkpoints(tmp_path_factory, {"mixed": ("Qwen2Config", dict(
+        common, use_sliding_window=True, sliding_window=8, max_window_layers=2))})
+    llm = LLM(paths["mixed"], attention_backend=backend, num_gpu_blocks=64, block_size=4, max_model_len=64)
+    assert len(llm.kv_cache_groups) == 2
+    for i, params in enumerate(EVERY_RULE[:4]):
+        llm.engine.add_request(i, {"prompt_token_ids": list(range(5 + i, 17 + 3 * i))},
+                               SamplingParams(**{**params.__dict__, "max_tokens": 12}))
+    for _ in range(3):  # the prompts, then decodes past the window: blocks given back
+        llm.engine.step()
+    with count_host_syncs(llm.model) as count:
+        llm.engine.step()
+    assert count.forward == 0, dict(count.in_forward)
+    assert count.total == 1, dict(count.calls)
+
+
 def test_logprobs_asked_for_cost_one_more_read_and_no_more():
     llm = LLM("tiny", stage=7, num_gpu_blocks=64, block_size=4)
     llm.engine.add_request(0, "The cat", SamplingParams(max_tokens=8, logprobs=4, temperature=0.5, top_k=10))

@@ -80,12 +80,13 @@ def test_layers_are_grouped_as_vllm_groups_them(windows, groups):
 def test_a_layer_of_each_group_shares_one_tensor_so_a_block_holds_group_size_layers():
     groups = kv_cache_groups([8] * 5 + [None] + [8] * 5 + [None], BS)
     cache = share_layers(PagedKVCache(group_size(groups), 10, BS, 2, 16), groups)
-    assert cache.num_layers == 12 and len({id(t) for t in cache.key_cache}) == 2
+    assert cache.num_layers == 12 and len({t.data_ptr() for t in cache.key_cache}) == 2
     for group in groups:
         for j, layer in enumerate(group.layer_ids):
-            assert cache.key_cache[layer] is cache.key_cache[groups[0].layer_ids[j]]
-            assert cache.value_cache[layer] is cache.value_cache[groups[0].layer_ids[j]]
-    assert cache.key_cache[0] is not cache.value_cache[0]
+            assert cache.key_cache[layer].data_ptr() == cache.key_cache[groups[0].layer_ids[j]].data_ptr()
+            assert cache.value_cache[layer].data_ptr() == cache.value_cache[groups[0].layer_ids[j]].data_ptr()
+    assert cache.key_cache[0].data_ptr() != cache.value_cache[0].data_ptr()
+    assert len({id(t) for t in cache.key_cache}) == 12  # a view per layer: each layer still told apart
 
 
 # --- one group's blocks: the window gives back what it left
@@ -309,7 +310,9 @@ def test_a_decoding_request_holds_a_windows_worth_of_blocks_in_a_sliding_group(c
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
     dict(async_scheduling=True),
     dict(attention_backend="triton"),
-], ids=["chunked", "preempted", "drafts", "async", "triton"])
+    dict(kv_cache_dtype="fp8", calculate_kv_scales=True),  # scales per layer, though layers share a tensor
+    dict(enable_prefix_caching=False),
+], ids=["chunked", "preempted", "drafts", "async", "triton", "fp8", "uncached"])
 def test_the_hybrid_engine_under_each_feature_equals_the_engine_that_keeps_every_block(checkpoints, features):
     path, _ = checkpoints["mixed"]
     batch = prompts(seed=2, lengths=(30, 12, 41, 7))

@@ -655,8 +655,9 @@ CATALOGUE: list[Mutant] = [
     m(15, "a spec's layers dealt in runs, not round-robin", (
         "KVCacheGroupSpec(tuple(layers[i::num_groups]), spec)",
         "KVCacheGroupSpec(tuple(layers[i * size:(i + 1) * size]), spec)")),
-    m(15, "every layer on the first tensor", ("cache.key_cache = [keys[slot[layer]] for layer in range(len(slot))]",
-                                              "cache.key_cache = [keys[0] for layer in range(len(slot))]")),
+    m(15, "every layer on the first tensor", (
+        "cache.key_cache = [keys[slot[layer]].view_as(keys[slot[layer]]) for layer in range(len(slot))]",
+        "cache.key_cache = [keys[0].view_as(keys[0]) for layer in range(len(slot))]")),
     m(15, "the window skips one token too many", (
         "return max(0, num_computed_tokens - self.spec.sliding_window + 1)",
         "return max(0, num_computed_tokens - self.spec.sliding_window + 2)")),

@@ -7,7 +7,8 @@ a graph per batch size of ``cudagraph_capture_sizes`` (1, 2, 4, then multiples o
 step up to the next size; nano-vllm does the same in its model runner. A graph replays the very
 addresses it recorded, so its inputs live in static buffers that each step fills first:
 
-* token ids, positions, the slot mapping, block tables and context lengths, ``max_num_seqs`` rows;
+* token ids, positions, the slot mapping, block tables and context lengths, ``max_num_seqs`` rows
+  (a slot mapping and block tables per KV cache group, where the layers keep several: stage 15);
 * padded rows write their K/V into a scratch block of the cache, which no sequence is given,
   and attend over one token of it: their output is dropped;
 * the attention kernels are launched for ``max_model_len`` (the grid of the longest context), and
@@ -38,8 +39,11 @@ class CUDAGraphModel:
     allocates one more block than its block manager hands out)."""
 
     def __init__(self, model: Any, cache: Any, backend: Callable[..., torch.Tensor], max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, group_of_layer: list[int] | None = None) -> None:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
+        self.group_of_layer = group_of_layer  # each layer's KV cache group; None: one group, every layer
+        groups = 1 if group_of_layer is None else max(group_of_layer) + 1
+        self.first_layer = [] if group_of_layer is None else [group_of_layer.index(g) for g in range(groups)]
         num_blocks, block_size = cache.key_cache[0].shape[:2]
         self.scratch_block = num_blocks - 1
         self.scratch_slot = self.scratch_block * block_size
@@ -47,17 +51,20 @@ class CUDAGraphModel:
         rows, width, device = self.sizes[-1], -(-max_model_len // block_size), cache.key_cache[0].device
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
-        self.block_tables = torch.full((rows, width), self.scratch_block, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((groups, rows), self.scratch_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.full((groups, rows, width), self.scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.graphs: dict[int, Any] = {}  # size -> its torch.cuda.CUDAGraph
         self.hidden: torch.Tensor | None = None  # (rows, hidden): what the graphs write
         self.replays = 0  # steps replayed: the others ran eagerly
         self.capture()
 
-    def meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size], None,
-                                 self.backend, max_query_len=1, max_seq_len=self.max_model_len)
+    def meta(self, size: int) -> AttentionMetadata | list[AttentionMetadata]:
+        """The buffers' first ``size`` rows as a step's metadata: one, or each layer its group's."""
+        metas = [AttentionMetadata(slots[:size], tables[:size], self.seq_lens[:size], None, self.backend,
+                                   max_query_len=1, max_seq_len=self.max_model_len)
+                 for slots, tables in zip(self.slot_mapping, self.block_tables, strict=True)]
+        return metas[0] if self.group_of_layer is None else [metas[g] for g in self.group_of_layer]
 
     def run_static(self, size: int) -> None:
         """The forward over the buffers' first ``size`` rows, into ``hidden``: what a graph records."""
@@ -82,19 +89,21 @@ class CUDAGraphModel:
         torch.cuda.synchronize()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
         """A decode step of at most the largest size: its inputs copied into the buffers (device to
         device, nothing read back), the graph of the next size up replayed; any other step, eagerly."""
         n = input_ids.shape[0]
-        if meta.query_start_loc is not None or n > self.sizes[-1]:
+        groups = [meta] if isinstance(meta, AttentionMetadata) else [meta[layer] for layer in self.first_layer]
+        if groups[0].query_start_loc is not None or n > self.sizes[-1]:
             return self.model(input_ids, positions, cache, meta)
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:size] = self.scratch_slot  # padded rows write where no sequence reads
-        self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
-        self.seq_lens[:n] = meta.seq_lens
+        for g, group in enumerate(groups):
+            self.slot_mapping[g, :n] = group.slot_mapping
+            self.block_tables[g, :n, :group.block_tables.shape[1]] = group.block_tables
+        self.slot_mapping[:, n:size] = self.scratch_slot  # padded rows write where no sequence reads
+        self.seq_lens[:n] = groups[0].seq_lens
         self.seq_lens[n:size] = 1
         self.graphs[size].replay()
         self.replays += 1
