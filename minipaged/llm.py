@@ -17,7 +17,7 @@ arguments into an ``EngineConfig`` (checked, and every combination outside the t
 | | its scheduler side is the scheduler's ``connector``, its worker side the runner's and the attention's | |
 | | (with ``tensor_parallel_size > 1``: every worker's, over its shard, and a stand-in the runner's) | 11 |
 | KV cache manager | a model with sliding-window layers, under V1: a hybrid cache, a block table per group | 15 |
-| | (not with ``disable_hybrid_kv_cache_manager``, tensor parallelism or a connector: every block kept) | |
+| | (not with ``disable_hybrid_kv_cache_manager`` or a connector: every block kept) | |
 | decode steps | ``enforce_eager``: eager, or replayed from CUDA graphs (on CUDA, Triton) | ``models.cuda_graphs`` |
 
 ``stage`` is the engine as of a stage of the ladder (by default the top): ``LLM("tiny", stage=7)``
@@ -41,13 +41,20 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
-from minipaged.common.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, KVTransferConfig, SpeculativeConfig
+from minipaged.common.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    EngineConfig,
+    KVTransferConfig,
+    ResolvedEngineConfig,
+    SpeculativeConfig,
+)
 from minipaged.common.processor import Prompt
 from minipaged.common.sampler import Sampler
 from minipaged.common.sampling_params import RequestOutput, RequestOutputKind, SamplingParams
 from minipaged.common.stats import PrefixCacheStats, Stats
 from minipaged.models import (
     CausalLM,
+    ModelConfig,
     load_config,
     load_eos_token_ids,
     load_model,
@@ -86,8 +93,8 @@ from minipaged.stage15_hybrid_kv_cache import (
     HybridKVCacheManager,
     KVCacheGroupSpec,
     group_size,
+    hybrid_kv_cache,
     kv_cache_groups,
-    share_layers,
 )
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -102,22 +109,35 @@ def engine_class(c: EngineConfig) -> type[LLMEngine]:
     return SharingEngine if c.stage >= 8 else LLMEngine
 
 
-def kv_cache_parts(c: EngineConfig) -> dict[str, Any]:
+def kv_cache_parts(c: EngineConfig, groups: list[KVCacheGroupSpec] | None = None) -> dict[str, Any]:
     """The K/V cache's class (given stage 6's sizes) and the attention over it (given the backend's name and
-    the cache; None: stage 4's or 5's by name), as ``kv_cache_dtype`` chooses them: here, or in every worker."""
+    the cache; None: stage 4's or 5's by name), as ``kv_cache_dtype`` chooses them, here or in every worker;
+    with KV cache groups (stage 15), that cache for a group's layers, shared by every layer."""
+    kv_cache: Any = SwapPagedKVCache
     if c.fp8_kv_cache:
-        return {"kv_cache": functools.partial(FP8PagedKVCache, calculate_kv_scales=c.calculate_kv_scales),
-                "attention": fp8_attention}
-    return {"kv_cache": SwapPagedKVCache, "attention": None}
+        kv_cache = functools.partial(FP8PagedKVCache, calculate_kv_scales=c.calculate_kv_scales)
+    if groups is not None:
+        kv_cache = functools.partial(hybrid_kv_cache, groups, kv_cache)
+    return {"kv_cache": kv_cache, "attention": fp8_attention if c.fp8_kv_cache else None}
 
 
-def worker_parts(c: EngineConfig) -> dict[str, Any]:
+def worker_parts(c: EngineConfig, groups: list[KVCacheGroupSpec] | None = None) -> dict[str, Any]:
     """What every tensor-parallel worker is built with (stage 11's ``WorkerConfig``): the K/V cache and the
     attention (``kv_cache_parts``), and the KV connector's worker side over its shard, if one is configured."""
     kv_connector = None
     if isinstance(c.kv_transfer_config, KVTransferConfig):
         kv_connector = functools.partial(worker_kv_connector, c.kv_transfer_config, c.block_size)
-    return {**kv_cache_parts(c), "kv_connector": kv_connector}
+    return {**kv_cache_parts(c, groups), "kv_connector": kv_connector}
+
+
+def kv_cache_groups_for(c: ResolvedEngineConfig, mc: ModelConfig) -> list[KVCacheGroupSpec] | None:
+    """Stage 15's groups of layers, each with a block table of its own, for a model with sliding-window
+    layers under V1; None (one table; every block of every layer kept) otherwise, or where vLLM turns
+    its hybrid manager off (``disable_hybrid_kv_cache_manager``, a KV connector)."""
+    windows = [mc.window_of(layer) for layer in range(mc.num_layers)]
+    served = (c.scheduler == "v1" and c.stage >= 15 and not c.disable_hybrid_kv_cache_manager
+              and c.kv_transfer_config is None)
+    return kv_cache_groups(windows, c.block_size) if served and any(windows) else None
 
 
 class LLM:
@@ -174,13 +194,8 @@ class LLM:
         return SwapBlockSpaceManager(RefCountedBlockAllocator(c.num_gpu_blocks), c.block_size, cpu)
 
     def build_kv_cache_groups(self) -> list[KVCacheGroupSpec] | None:
-        """Stage 15's groups of layers, each with a block table of its own, for a model with sliding-window
-        layers under V1; None (one table; every block of every layer kept) otherwise, or where vLLM turns
-        its hybrid manager off, or where it is not built here yet."""
-        c, windows = self.config, [self.model_config.window_of(layer) for layer in range(self.model_config.num_layers)]
-        served = (c.scheduler == "v1" and c.stage >= 15 and not c.disable_hybrid_kv_cache_manager
-                  and c.tensor_parallel_size == 1 and c.kv_transfer_config is None)
-        return kv_cache_groups(windows, c.block_size) if served and any(windows) else None
+        """Stage 15's groups of layers (``kv_cache_groups_for``), or None."""
+        return kv_cache_groups_for(self.config, self.model_config)
 
     def hybrid_num_blocks(self) -> int:
         """The blocks the K/V memory holds when a block spans a group's layers, not every layer (vLLM's
@@ -233,17 +248,15 @@ class LLM:
         c, mc = self.config, self.model_config
         model: Any
         cache: Any
-        parts = kv_cache_parts(c)
+        groups = self.kv_cache_groups
+        parts = kv_cache_parts(c, groups)
         if c.tensor_parallel_size > 1:
-            self.executor, model, cache = start_tensor_parallel(c, mc, path, **worker_parts(c))
+            self.executor, model, cache = start_tensor_parallel(c, mc, path, **worker_parts(c, groups))
             return model, cache
         model = loaded if loaded is not None else load_model(path, self.dtype, self.device)[0]
         scratch = 1 if c.uses_cuda_graphs else 0  # a block no sequence is given: the graphs' padded rows write there
-        groups = self.kv_cache_groups
-        cache = parts["kv_cache"](mc.num_layers if groups is None else group_size(groups), c.num_gpu_blocks + scratch,
-                                  c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
-        if groups is not None:
-            cache = share_layers(cache, groups)
+        cache = parts["kv_cache"](mc.num_layers, c.num_gpu_blocks + scratch, c.block_size, mc.num_kv_heads,
+                                  mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
         if parts["attention"] is not None:
             self.attention = parts["attention"](c.attention_backend, cache)
         if c.uses_cuda_graphs:  # each layer's group, where the layers keep several tables
@@ -395,8 +408,9 @@ def torchrun_main(argv: list[str] | None = None) -> None:
                   num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
     if rank != 0:
         path = resolve_model_path(args.model)
-        config = EngineConfig(model=args.model, **kwargs)
-        follow_rank_0_of(config.resolve(load_config(path)), path, rank, **worker_parts(config))
+        model_config = load_config(path)
+        config = EngineConfig(model=args.model, **kwargs).resolve(model_config)
+        follow_rank_0_of(config, path, rank, **worker_parts(config, kv_cache_groups_for(config, model_config)))
         return
     with LLM(args.model, **kwargs) as llm:
         prompts = [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_token_ids)]

@@ -20,7 +20,7 @@ import torch
 
 from minipaged.common.device import to_device
 from minipaged.common.prompt_logprobs import prompt_logprob_positions
-from minipaged.models import CausalLM
+from minipaged.models import CausalLM, GroupedAttentionMetadata
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage7_model_runner import build_attention_metadata
 from minipaged.stage10_sched_output import NewRequestData, SchedulerOutput
@@ -202,7 +202,7 @@ class V1ModelRunner:
             tables = batch.block_table[rows, g, :batch.num_blocks[rows, g].max()]
             metas.append(build_attention_metadata(self.cache, slot_mapping, tables, seq_lens.astype(np.int32),
                                                   query_start_loc, self.backend))
-        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.group_of_layer]  # one, or one per layer
+        meta = metas[0] if len(metas) == 1 else GroupedAttentionMetadata(metas, self.group_of_layer)
         done = seq_lens >= batch.num_tokens[rows]  # (num_reqs,) every token computed (a placeholder too): sample
         logits_indices = np.concatenate([(ends - 1)[done],
                                          self.extra_logits_indices(out, batch.num_computed_tokens[rows], ends)])

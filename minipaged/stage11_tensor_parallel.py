@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from minipaged.common.config import ResolvedEngineConfig
-from minipaged.models import AttentionMetadata, ModelConfig
+from minipaged.models import AttentionMetadata, GroupedAttentionMetadata, ModelConfig
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage11_worker import StepInputs, Worker, WorkerConfig, run_worker
 
@@ -265,7 +265,7 @@ class StepHidden:
     input_ids: torch.Tensor
     positions: torch.Tensor
     cache: RemoteKVCache
-    meta: AttentionMetadata
+    meta: AttentionMetadata | GroupedAttentionMetadata
 
     def index_select(self, dim: int, logits_indices: torch.Tensor) -> StepRows:
         """The rows the runner asks for, as it asks a model's hidden states (``dim`` is 0)."""
@@ -294,7 +294,7 @@ class TensorParallelModel:
         self.executor, self.attention_backend = executor, attention_backend
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: RemoteKVCache,
-                 meta: AttentionMetadata) -> StepHidden:
+                 meta: AttentionMetadata | GroupedAttentionMetadata) -> StepHidden:
         return StepHidden(input_ids, positions, cache, meta)
 
     def compute_logits(self, rows: StepRows) -> torch.Tensor:
@@ -302,15 +302,28 @@ class TensorParallelModel:
         was given) to every worker, whether or not any row is asked for; rank 0's logits."""
         # BEGIN SOLUTION the step's inputs as numpy arrays, its block moves, the rows; rank 0's logits back
         step, meta = rows.hidden, rows.hidden.meta
+        slot_mapping, block_tables, group_of_layer = host_tables(meta)
+        meta = meta.groups[0] if isinstance(meta, GroupedAttentionMetadata) else meta  # the lengths: every group's
         inputs = StepInputs(
             input_ids=step.input_ids.cpu().numpy(), positions=step.positions.cpu().numpy(),
-            slot_mapping=meta.slot_mapping.cpu().numpy(), block_tables=meta.block_tables.cpu().numpy(),
-            seq_lens=meta.seq_lens.cpu().numpy(),
+            slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=meta.seq_lens.cpu().numpy(),
             query_start_loc=None if meta.query_start_loc is None else meta.query_start_loc.cpu().numpy(),
             logits_indices=rows.logits_indices.cpu().numpy(), attention_backend=self.attention_backend,
-            **step.cache.take_block_moves())
+            group_of_layer=group_of_layer, **step.cache.take_block_moves())
         return self.executor.execute_model(inputs)
         # END SOLUTION
+
+
+def host_tables(meta: AttentionMetadata | GroupedAttentionMetadata) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
+    """A step's slot mapping and block tables as host arrays, and each layer's KV cache group: with several
+    groups (stage 15), each group's along a first axis (the tables padded to the widest), else as they are."""
+    if isinstance(meta, AttentionMetadata):
+        return meta.slot_mapping.cpu().numpy(), meta.block_tables.cpu().numpy(), None
+    width = max(g.block_tables.shape[1] for g in meta.groups)
+    tables = np.zeros((len(meta.groups), *meta.groups[0].block_tables.shape[:1], width), np.int32)
+    for g, group in enumerate(meta.groups):
+        tables[g, :, :group.block_tables.shape[1]] = group.block_tables.cpu().numpy()
+    return np.stack([g.slot_mapping.cpu().numpy() for g in meta.groups]), tables, meta.group_of_layer
 
 
 class RemoteKVCache:

@@ -90,8 +90,8 @@ class StepInputs:
 
     input_ids: np.ndarray  # int64 (num_tokens,)
     positions: np.ndarray  # int64 (num_tokens,)
-    slot_mapping: np.ndarray  # int64 (num_tokens,)
-    block_tables: np.ndarray  # int32 (num_seqs, max_blocks_per_seq)
+    slot_mapping: np.ndarray  # int64 (num_tokens,); with KV cache groups: (num_groups, num_tokens)
+    block_tables: np.ndarray  # int32 (num_seqs, max_blocks_per_seq); with groups: (num_groups, num_seqs, ..)
     seq_lens: np.ndarray  # int32 (num_seqs,)
     query_start_loc: np.ndarray | None  # int32 (num_seqs + 1,); None: one decode token each
     logits_indices: np.ndarray  # int64 (num_rows,): the tokens whose logits the engine needs
@@ -100,6 +100,7 @@ class StepInputs:
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
     attention_backend: str = "ref"
     kv_connector_metadata: Any = None  # the KV connector's loads and saves of the step (stage 14); None: none
+    group_of_layer: list[int] | None = None  # where the layers keep several KV cache groups: each layer's
 
 
 class Worker:
@@ -157,9 +158,11 @@ class Worker:
         device = self.device  # the driver checked the step's metadata on its host: copied here as it is
         meta = AttentionMetadata.from_host(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
                                            self.attention_backend(step.attention_backend), device)
+        # several KV cache groups (stage 15): each group's slots and tables, each layer its group's
+        layers_meta = meta if step.group_of_layer is None else meta.per_group(step.group_of_layer)
         with torch.inference_mode():
             input_ids, positions = torch.from_numpy(step.input_ids), torch.from_numpy(step.positions)
-            hidden = self.model(input_ids.to(device), positions.to(device), self.cache, meta)
+            hidden = self.model(input_ids.to(device), positions.to(device), self.cache, layers_meta)
             logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(step.logits_indices).to(device)))
             logits = logits.float()
         return logits.cpu().numpy() if self.rank == 0 else None

@@ -27,8 +27,9 @@ block ids go to the runner one list per group (vLLM's ``tuple[list[int], ...]``)
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from minipaged.common.sequence import Sequence as Seq
 from minipaged.stage1_block_allocator import BlockAllocator
@@ -120,6 +121,17 @@ def share_layers(cache: PagedKVCache, groups: list[KVCacheGroupSpec]) -> PagedKV
         cache.k_scale, cache.v_scale, cache.needs_scales = [1.0] * n, [1.0] * n, cache.needs_scales[:1] * n
         cache.layers = {id(t): layer for layer, t in enumerate(cache.key_cache)}
     return cache
+
+
+def hybrid_kv_cache(groups: list[KVCacheGroupSpec], kv_cache: Callable[..., PagedKVCache], num_layers: int,
+                    *args: Any, **kwargs: Any) -> PagedKVCache:
+    """The paged cache of a model whose layers keep ``groups``: ``kv_cache`` (stage 6's, or stage 13's)
+    built for ``group_size`` layers with the rest of its arguments, then shared by every layer (here, or in
+    each tensor-parallel worker, which is handed this function bound to its groups)."""
+    held = sum(len(g.layer_ids) for g in groups)
+    if num_layers != held:
+        raise ValueError(f"a cache for {num_layers} layers, but the groups hold {held}")
+    return share_layers(kv_cache(group_size(groups), *args, **kwargs), groups)
 
 
 def block_hash_with_group_id(digest: bytes, group_id: int) -> bytes:

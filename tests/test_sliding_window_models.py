@@ -113,15 +113,14 @@ def test_tensor_parallel_workers_keep_each_layers_window(checkpoints):
     path, _ = checkpoints["mixed"]
     batch = prompts(seed=4, lengths=(25, 12, 33))
     plain = tokens(LLM(path, num_gpu_blocks=64, **KEEP), batch)
-    with LLM(path, num_gpu_blocks=64, block_size=4, tensor_parallel_size=2) as llm:
+    with LLM(path, num_gpu_blocks=64, tensor_parallel_size=2, **KEEP) as llm:
         assert tokens(llm, batch) == plain
 
 
 @pytest.mark.parametrize("features", [
-    dict(tensor_parallel_size=2),
     dict(kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "x"}}),
     dict(stage=14), dict(scheduler="v0"),
-], ids=["tensor-parallel", "connector", "stage-14", "v0"])
+], ids=["connector", "stage-14", "v0"])
 def test_where_the_hybrid_manager_is_not_served_every_block_is_kept_and_the_windows_still_hold(checkpoints, features,
                                                                                                tmp_path):
     """As vLLM turns its hybrid manager off (with a KV connector, say), the engine keeps every block of

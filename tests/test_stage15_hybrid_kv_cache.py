@@ -326,6 +326,20 @@ def test_the_hybrid_engine_under_each_feature_equals_the_engine_that_keeps_every
     assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
 
 
+def test_tensor_parallel_workers_share_their_tensors_and_take_each_groups_tables(checkpoints):
+    """Each worker builds its shard of the hybrid cache (``hybrid_kv_cache``: a group's layers, shared by
+    every layer) and is sent each group's slots and tables: equal to one process, FP8 scales per layer too."""
+    path, _ = checkpoints["mixed"]
+    batch = prompts(seed=8, lengths=(30, 12, 41))
+    for extra in (dict(), dict(kv_cache_dtype="fp8", calculate_kv_scales=True)):
+        kwargs = dict(num_gpu_blocks=96, max_model_len=128, max_num_batched_tokens=16, **HYBRID, **extra)
+        one = tokens(LLM(path, **kwargs), batch)
+        with LLM(path, tensor_parallel_size=2, **kwargs) as llm:
+            assert isinstance(llm.scheduler.kv_cache_manager, HybridKVCacheManager)
+            assert tokens(llm, batch) == one
+            assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_total_blocks
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_with_prefix_caching_the_hybrid_engine_computes_what_stage_9_computes_and_the_same_tokens(checkpoints, name):
     """A shared prefix longer than the window, asked one request after another: each later request skips

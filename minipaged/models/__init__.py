@@ -19,14 +19,15 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from minipaged.models.config import ModelConfig
-from minipaged.models.transformer import AttentionMetadata, CausalLM, build_model
+from minipaged.models.transformer import AttentionMetadata, CausalLM, GroupedAttentionMetadata, build_model
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
-__all__ = ["AttentionMetadata", "CausalLM", "ModelConfig", "TINY_MODEL_DIR", "load_config", "load_model",
-           "load_tokenizer", "load_eos_token_ids", "resolve_model_path", "resolve_dtype", "checkpoint_files"]
+__all__ = ["AttentionMetadata", "CausalLM", "GroupedAttentionMetadata", "ModelConfig", "TINY_MODEL_DIR", "load_config",
+           "load_model", "load_tokenizer", "load_eos_token_ids", "resolve_model_path", "resolve_dtype",
+           "checkpoint_files"]
 
 
 def resolve_model_path(model: str | Path) -> Path:

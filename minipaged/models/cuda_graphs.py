@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from minipaged.models.transformer import AttentionMetadata
+from minipaged.models.transformer import AttentionMetadata, GroupedAttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -43,7 +43,6 @@ class CUDAGraphModel:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
         self.group_of_layer = group_of_layer  # each layer's KV cache group; None: one group, every layer
         groups = 1 if group_of_layer is None else max(group_of_layer) + 1
-        self.first_layer = [] if group_of_layer is None else [group_of_layer.index(g) for g in range(groups)]
         num_blocks, block_size = cache.key_cache[0].shape[:2]
         self.scratch_block = num_blocks - 1
         self.scratch_slot = self.scratch_block * block_size
@@ -59,12 +58,12 @@ class CUDAGraphModel:
         self.replays = 0  # steps replayed: the others ran eagerly
         self.capture()
 
-    def meta(self, size: int) -> AttentionMetadata | list[AttentionMetadata]:
+    def meta(self, size: int) -> AttentionMetadata | GroupedAttentionMetadata:
         """The buffers' first ``size`` rows as a step's metadata: one, or each layer its group's."""
         metas = [AttentionMetadata(slots[:size], tables[:size], self.seq_lens[:size], None, self.backend,
                                    max_query_len=1, max_seq_len=self.max_model_len)
                  for slots, tables in zip(self.slot_mapping, self.block_tables, strict=True)]
-        return metas[0] if self.group_of_layer is None else [metas[g] for g in self.group_of_layer]
+        return metas[0] if self.group_of_layer is None else GroupedAttentionMetadata(metas, self.group_of_layer)
 
     def run_static(self, size: int) -> None:
         """The forward over the buffers' first ``size`` rows, into ``hidden``: what a graph records."""
@@ -89,11 +88,11 @@ class CUDAGraphModel:
         torch.cuda.synchronize()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+                 meta: AttentionMetadata | GroupedAttentionMetadata) -> torch.Tensor:
         """A decode step of at most the largest size: its inputs copied into the buffers (device to
         device, nothing read back), the graph of the next size up replayed; any other step, eagerly."""
         n = input_ids.shape[0]
-        groups = [meta] if isinstance(meta, AttentionMetadata) else [meta[layer] for layer in self.first_layer]
+        groups = meta.groups if isinstance(meta, GroupedAttentionMetadata) else [meta]
         if groups[0].query_start_loc is not None or n > self.sizes[-1]:
             return self.model(input_ids, positions, cache, meta)
         size = next(s for s in self.sizes if s >= n)

@@ -13,6 +13,7 @@ the same input are declared fused, as in vLLM: ``qkv_proj`` (q, k, v) and ``gate
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,27 @@ class AttentionMetadata:
                    max_seq_len=int(seq_lens.max()) if seq_lens.size else 0)
 
 
+    def per_group(self, group_of_layer: list[int]) -> GroupedAttentionMetadata:
+        """Metadata whose ``slot_mapping`` and ``block_tables`` hold a group's each along a first axis (as a
+        tensor-parallel worker is sent them), split into one per KV cache group (views, nothing copied)."""
+        groups = [dataclasses.replace(self, slot_mapping=slots, block_tables=tables)
+                  for slots, tables in zip(self.slot_mapping, self.block_tables, strict=True)]
+        return GroupedAttentionMetadata(groups, group_of_layer)
+
+
+@dataclass
+class GroupedAttentionMetadata:
+    """A step's metadata where the layers keep several KV cache groups (stage 15), each with block tables
+    of its own: one ``AttentionMetadata`` per group (the same lengths, its own slots and tables), and
+    each layer's group. ``meta[layer]`` is the layer's."""
+
+    groups: list[AttentionMetadata]
+    group_of_layer: list[int]
+
+    def __getitem__(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.group_of_layer[layer]]
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "silu":
         return F.silu
@@ -84,16 +106,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata | list[AttentionMetadata], scale: float,
+def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata | GroupedAttentionMetadata, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """Write the new K/V into the paged cache (stage 2's ``write``), then attend over each context,
     or over its last ``sliding_window`` tokens in a layer that slides.
 
     ``cache`` is a ``PagedKVCache``: per layer, ``key_cache`` / ``value_cache`` of shape
-    ``(num_blocks, block_size, num_kv_heads, head_dim)``. ``meta`` is every layer's, or a list with
-    each layer's (layers of different KV cache groups keep different block tables: stage 15).
+    ``(num_blocks, block_size, num_kv_heads, head_dim)``. ``meta`` is every layer's, or each group's
+    (layers of different KV cache groups keep different block tables: stage 15).
     """
-    meta = meta[layer] if isinstance(meta, list) else meta
+    meta = meta[layer] if isinstance(meta, GroupedAttentionMetadata) else meta
     cache.write(layer, meta.slot_mapping, k, v, checked=True)  # checked once, on the host, when meta was built
     return meta.backend(q, cache.key_cache[layer], cache.value_cache[layer], meta.block_tables, meta.seq_lens,
                         scale=scale, query_start_loc=meta.query_start_loc, validate=False,
