@@ -53,7 +53,8 @@ from minipaged.models import load_config, resolve_model_path
 from minipaged.models.config import ModelConfig
 from minipaged.perf.simulate import synthetic_requests
 from minipaged.stage10_engine_core import V1Engine
-from minipaged.stage15_hybrid_kv_cache import HybridKVCacheManager, SlidingWindowManager, group_size
+from minipaged.stage15_hybrid_kv_cache import HybridKVCacheManager
+from minipaged.stage15_kv_cache_groups import SlidingWindowManager, group_size
 
 # Gemma 3 12B's K/V (its config.json): 48 layers, 8 KV heads of 256, in bfloat16; 12 GiB of it.
 GEMMA3_12B = {"num_hidden_layers": 48, "num_key_value_heads": 8, "head_dim": 256}
@@ -100,8 +101,8 @@ class NoModelRunner:
 
 
 def build_scheduler(mc: ModelConfig, memory: int, hybrid: bool, dtype: str, max_model_len: int):
-    """The V1 scheduler ``LLM`` builds for ``mc`` from ``memory`` bytes of K/V (prefix caching off, as a
-    hybrid cache is served), by ``LLM``'s own builders, with no weights loaded."""
+    """The V1 scheduler ``LLM`` builds for ``mc`` from ``memory`` bytes of K/V (prefix caching off: the
+    requests share no prefix), by ``LLM``'s own builders, with no weights loaded."""
     parts = types.SimpleNamespace(model_config=mc, spec_decoder=None)
     parts.config = EngineConfig(block_size=BLOCK_SIZE, kv_cache_memory=memory, dtype=dtype,
                                 max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,

@@ -88,14 +88,8 @@ from minipaged.stage14_disaggregated_prefill import (
     worker_kv_connector,
 )
 from minipaged.stage14_kv_connector import KVConnectorRole, create_connector, model_identity
-from minipaged.stage15_hybrid_kv_cache import (
-    HybridKVCacheCoordinator,
-    HybridKVCacheManager,
-    KVCacheGroupSpec,
-    group_size,
-    hybrid_kv_cache,
-    kv_cache_groups,
-)
+from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, HybridKVCacheManager
+from minipaged.stage15_kv_cache_groups import KVCacheGroupSpec, group_size, hybrid_kv_cache, kv_cache_groups
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 

@@ -551,7 +551,8 @@ def disaggregated_prefill():
 def hybrid_kv_cache():
     """Stage 15: a request's block tables, step by step, in a model with two full and two sliding layers."""
     from minipaged.learn.viz import plot_hybrid_block_tables
-    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, kv_cache_groups
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator
+    from minipaged.stage15_kv_cache_groups import kv_cache_groups
 
     groups = kv_cache_groups([None, None, 8, 8], 4)  # window 8, blocks of 4
     coordinator = HybridKVCacheCoordinator(groups, 32)

@@ -99,16 +99,13 @@ def test_a_replayed_step_reads_nothing_back_beyond_the_samplers_one_copy(graphs_
 def test_a_hybrid_cache_replays_with_a_slot_mapping_and_block_tables_per_group(graphs_on_a_cpu, tmp_path_factory):
     """Stage 15's KV cache groups: the graphs' buffers hold each group's slots and tables, and each layer
     reads its group's, as in an eager step."""
-    from helpers_checkpoints import save_random_checkpoints
+    from helpers_checkpoints import random_prompts, save_random_checkpoints, sliding_window_architectures
 
     from minipaged.stage15_hybrid_kv_cache import HybridKVCacheManager
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
-    paths = save_random_checkpoints(tmp_path_factory, {"mixed": ("Qwen2Config", dict(
-        common, use_sliding_window=True, sliding_window=8, max_window_layers=2))})
-    gen = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (3, 21, 12, 30, 5)]
+    mixed = sliding_window_architectures(8, num_layers=4, full_layers=2)["mixed"]
+    paths = save_random_checkpoints(tmp_path_factory, {"mixed": mixed})
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(0, (3, 21, 12, 30, 5))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     kwargs = dict(num_gpu_blocks=96, block_size=4, max_num_seqs=8, max_model_len=64)
     eager = LLM(paths["mixed"], enforce_eager=True, **kwargs)

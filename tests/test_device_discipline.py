@@ -82,12 +82,10 @@ def test_a_decode_step_reads_the_device_once_and_never_inside_the_forward(front,
 def test_a_hybrid_decode_step_reads_the_device_once_with_metadata_per_group(backend, tmp_path_factory):
     """Stage 15: two KV cache groups, a slot mapping and block tables for each, built from host arrays
     and uploaded; each layer reads its group's, and the forward still reads nothing back."""
-    from helpers_checkpoints import save_random_checkpoints
+    from helpers_checkpoints import save_random_checkpoints, sliding_window_architectures
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
-    paths = save_random_checkpoints(tmp_path_factory, {"mixed": ("Qwen2Config", dict(
-        common, use_sliding_window=True, sliding_window=8, max_window_layers=2))})
+    mixed = sliding_window_architectures(8, num_layers=4, full_layers=2)["mixed"]
+    paths = save_random_checkpoints(tmp_path_factory, {"mixed": mixed})
     llm = LLM(paths["mixed"], attention_backend=backend, num_gpu_blocks=64, block_size=4, max_model_len=64)
     assert len(llm.kv_cache_groups) == 2
     for i, params in enumerate(EVERY_RULE[:4]):

@@ -228,7 +228,8 @@ def computed() -> dict[str, str]:
           "disagg_moved": f"{disagg['bytes_per_request']['measured']:,.0f}"}
 
     # A hybrid KV cache: a long request on a 48-layer model, five sliding layers (window 128) to one full.
-    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, group_size, kv_cache_groups
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator
+    from minipaged.stage15_kv_cache_groups import group_size, kv_cache_groups
 
     groups = kv_cache_groups(([128] * 5 + [None]) * 8, 16)
     coordinator = HybridKVCacheCoordinator(groups, 4000)

@@ -1147,7 +1147,7 @@ def test_stage15_page_ends_with_a_self_check_and_an_interview_answer():
 
 
 def test_stage15_the_blocks_a_window_gives_back():
-    from minipaged.stage15_hybrid_kv_cache import SlidingWindowManager, SlidingWindowSpec
+    from minipaged.stage15_kv_cache_groups import SlidingWindowManager, SlidingWindowSpec
 
     allocator = BlockAllocator(400)
     null = allocator.allocate(1)[0]
@@ -1161,7 +1161,7 @@ def test_stage15_the_blocks_a_window_gives_back():
 
 
 def test_stage15_gemma_3s_groups():
-    from minipaged.stage15_hybrid_kv_cache import group_size, kv_cache_groups, share_layers
+    from minipaged.stage15_kv_cache_groups import group_size, kv_cache_groups, share_layers
 
     groups = kv_cache_groups([1024] * 5 + [None] + [1024] * 5 + [None], 16)
     cache = share_layers(PagedKVCache(group_size(groups), 2, 16, 1, 8), groups)
@@ -1170,7 +1170,8 @@ def test_stage15_gemma_3s_groups():
 
 def test_stage15_a_prefix_hit_over_a_window_whose_early_blocks_were_evicted():
     from minipaged.common.sequence import Sequence
-    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, HybridKVCacheManager, kv_cache_groups
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, HybridKVCacheManager
+    from minipaged.stage15_kv_cache_groups import kv_cache_groups
 
     coordinator = HybridKVCacheCoordinator(kv_cache_groups([128], 16), 200, enable_caching=True)
     manager = HybridKVCacheManager(coordinator, 8192)
@@ -1190,7 +1191,8 @@ def test_stage15_a_prefix_hit_over_a_window_whose_early_blocks_were_evicted():
 
 
 def test_stage15_a_long_request_on_a_five_to_one_model():
-    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, group_size, kv_cache_groups
+    from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator
+    from minipaged.stage15_kv_cache_groups import group_size, kv_cache_groups
 
     groups = kv_cache_groups(([128] * 5 + [None]) * 8, 16)
     coordinator = HybridKVCacheCoordinator(groups, 4000)

@@ -7,8 +7,13 @@ import json
 import shutil
 
 import pytest
-import torch
-from helpers_checkpoints import save_random_checkpoints
+from helpers_checkpoints import (
+    generated_token_ids,
+    random_prompts,
+    save_random_checkpoints,
+    sliding_window_architectures,
+    with_transformers_models,
+)
 from test_stage7_engine import assert_equal_to_hf
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
@@ -19,34 +24,24 @@ from minipaged.stage15_hybrid_kv_cache import HybridKVCacheManager
 pytestmark = pytest.mark.common
 
 WINDOW = 8
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
-MODELS = {  # a full layer, then two that slide; every layer sliding
-    "mixed": ("Qwen2Config", dict(COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
-    "sliding": ("MistralConfig", dict(COMMON, sliding_window=WINDOW)),
-}
+MODELS = sliding_window_architectures(WINDOW, num_layers=3, full_layers=1, max_position_embeddings=256)
+COMMON = {k: v for k, v in MODELS["sliding"][1].items() if k != "sliding_window"}  # the shapes, no window
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 KEEP = dict(block_size=4, disable_hybrid_kv_cache_manager=True)  # every block kept: the windows alone (stage 15 frees)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    import transformers
-
-    paths = save_random_checkpoints(tmp_path_factory, MODELS)
-    return {name: (path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-            for name, path in paths.items()}
+    return with_transformers_models(save_random_checkpoints(tmp_path_factory, MODELS))
 
 
 def prompts(seed=0, lengths=(3, 21, 37, 9)):
     """Prompts shorter and longer than the window: the last ones slide past it in the prompt."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 def tokens(llm, batch, params=GREEDY):
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return generated_token_ids(llm, batch, params)
 
 
 @pytest.mark.parametrize("hf, layer_types", [

@@ -2,8 +2,13 @@
 ``disable_hybrid_kv_cache_manager=True``) and against transformers, with the free count."""
 
 import pytest
-import torch
-from helpers_checkpoints import save_random_checkpoints
+from helpers_checkpoints import (
+    generated_token_ids,
+    random_prompts,
+    save_random_checkpoints,
+    sliding_window_architectures,
+    with_transformers_models,
+)
 from test_stage7_engine import assert_equal_to_hf
 from test_stage10_v1_scheduler import one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
@@ -12,10 +17,9 @@ from minipaged.common.sequence import Sequence
 from minipaged.stage1_block_allocator import BlockAllocator
 from minipaged.stage2_block_table import PagedKVCache
 from minipaged.stage10_kv_cache_manager import KVCacheManager
-from minipaged.stage15_hybrid_kv_cache import (
+from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, HybridKVCacheManager
+from minipaged.stage15_kv_cache_groups import (
     FullAttentionSpec,
-    HybridKVCacheCoordinator,
-    HybridKVCacheManager,
     SlidingWindowManager,
     SlidingWindowSpec,
     block_hash_with_group_id,
@@ -27,33 +31,22 @@ from minipaged.stage15_hybrid_kv_cache import (
 pytestmark = pytest.mark.stage15
 
 W, BS = 8, 4  # the models' window, the engines' block size
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
-MODELS = {  # two full layers then two sliding ones; every layer sliding
-    "mixed": ("Qwen2Config", dict(COMMON, use_sliding_window=True, sliding_window=W, max_window_layers=2)),
-    "sliding": ("MistralConfig", dict(COMMON, sliding_window=W)),
-}
+MODELS = sliding_window_architectures(W, num_layers=4, full_layers=2)  # two full layers, two sliding; all sliding
 HYBRID = dict(block_size=BS)  # the default engine: V1, prefix caching on
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    import transformers
-
-    paths = save_random_checkpoints(tmp_path_factory, MODELS)
-    return {name: (path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-            for name, path in paths.items()}
+    return with_transformers_models(save_random_checkpoints(tmp_path_factory, MODELS))
 
 
 def prompts(seed=0, lengths=(3, 21, 37, 9, 50)):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 def tokens(llm, batch, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
-                                                          use_tqdm=False)]
+    return generated_token_ids(llm, batch, params)
 
 
 # --- the groups, and the tensors they share
