@@ -81,7 +81,8 @@ def test_a_stage_of_two_files_names_its_main_file_first():
     assert names[11] == ["stage11_tensor_parallel.py", "stage11_worker.py"]  # the driver imports its workers
     assert names[12] == ["stage12_speculative.py", "stage12_rejection_sampler.py"]  # the engine, its proposer
     assert names[14] == ["stage14_disaggregated_prefill.py", "stage14_kv_connector.py"]  # the engine, its connector
-    assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10, 11, 12, 14))
+    assert names[15] == ["stage15_hybrid_kv_cache.py", "stage15_kv_cache_groups.py"]  # the manager, its groups
+    assert all(len(paths) == 1 for stage, paths in names.items() if stage not in (6, 7, 10, 11, 12, 14, 15))
     assert tutorial_for(10) == "tutorials/10_v1_scheduler.ipynb" and tutorial_for(7) == "tutorials/07_engine.ipynb"
     assert tutorial_for(12) == "tutorials/12_speculative.ipynb"
 
