@@ -89,7 +89,13 @@ from minipaged.stage14_disaggregated_prefill import (
 )
 from minipaged.stage14_kv_connector import KVConnectorRole, create_connector, model_identity
 from minipaged.stage15_hybrid_kv_cache import HybridKVCacheCoordinator, HybridKVCacheManager
-from minipaged.stage15_kv_cache_groups import KVCacheGroupSpec, group_size, hybrid_kv_cache, kv_cache_groups
+from minipaged.stage15_kv_cache_groups import (
+    KVCacheGroupSpec,
+    group_of_layer,
+    group_size,
+    hybrid_kv_cache,
+    kv_cache_groups,
+)
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -157,6 +163,7 @@ class LLM:
             config = dataclasses.replace(config, kv_cache_memory=self.profile_kv_cache_memory(profiled, config))
         self.config = config = config.resolve(self.model_config)
         self.kv_cache_groups = self.build_kv_cache_groups()
+        self.group_of_layer = None if self.kv_cache_groups is None else group_of_layer(self.kv_cache_groups)
         if self.kv_cache_groups is not None and kwargs.get("num_gpu_blocks") is None:  # the bytes, in blocks
             config = self.config = dataclasses.replace(config, num_gpu_blocks=self.hybrid_num_blocks())
         if config.tensor_parallel_size > 1:
@@ -253,10 +260,8 @@ class LLM:
                                   mc.head_dim, self.dtype, self.device, c.num_cpu_blocks)
         if parts["attention"] is not None:
             self.attention = parts["attention"](c.attention_backend, cache)
-        if c.uses_cuda_graphs:  # each layer's group, where the layers keep several tables
-            group_of_layer = None if groups is None else [
-                next(g for g, group in enumerate(groups) if layer in group.layer_ids) for layer in range(mc.num_layers)]
-            model = CUDAGraphModel(model, cache, self.attention, c.max_num_seqs, c.max_model_len, group_of_layer)
+        if c.uses_cuda_graphs:  # each layer's table its group's, where the layers keep several
+            model = CUDAGraphModel(model, cache, self.attention, c.max_num_seqs, c.max_model_len, self.group_of_layer)
         return model, cache
 
     def build_runner(self) -> ModelRunner | V1ModelRunner:
@@ -268,10 +273,9 @@ class LLM:
             return ModelRunner(self.model, self.cache, self.scheduler.block_manager, backend)
         input_batch = None
         kv_connector: KVConnectorWorker | TensorParallelKVConnector | None = None
-        groups = None if self.kv_cache_groups is None else [g.layer_ids for g in self.kv_cache_groups]
         if self.spec_decoder is not None:
             input_batch = SpecInputBatch(c.max_num_seqs, c.max_model_len, -(-c.max_model_len // c.block_size),
-                                         1 if groups is None else len(groups))
+                                         1 if self.kv_cache_groups is None else len(self.kv_cache_groups))
         if isinstance(c.kv_transfer_config, KVTransferConfig) and self.executor is not None:  # in the workers
             kv_connector = TensorParallelKVConnector(self.executor)
         elif isinstance(c.kv_transfer_config, KVTransferConfig):  # the connector's worker side, by the cache
@@ -282,7 +286,7 @@ class LLM:
             backend = KVConnectorAttention(backend, self.cache, connector)
         return V1ModelRunner(self.model, self.cache, c.block_size, c.max_num_seqs, c.max_model_len, backend,
                              input_batch=input_batch, spec_decoder=self.spec_decoder, kv_connector=kv_connector,
-                             kv_cache_groups=groups)
+                             group_of_layer=self.group_of_layer)
 
     def profile_kv_cache_memory(self, model: CausalLM, config: EngineConfig) -> int:
         """The bytes of K/V that ``gpu_memory_utilization`` leaves (``determine_available_kv_memory``),

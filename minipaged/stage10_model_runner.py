@@ -113,15 +113,14 @@ class V1ModelRunner:
     def __init__(self, model: CausalLM, cache: PagedKVCache, block_size: int, max_num_reqs: int, max_model_len: int,
                  backend: Callable[..., torch.Tensor], *, input_batch: InputBatch | None = None,
                  spec_decoder: SpecTokenRows | None = None, kv_connector: ConnectorWorkerPart | None = None,
-                 kv_cache_groups: list[tuple[int, ...]] | None = None) -> None:
+                 group_of_layer: list[int] | None = None) -> None:
         self.model, self.cache, self.block_size, self.backend = model, cache, block_size, backend
         self.device = cache.key_cache[0].device
-        # the layers of each KV cache group, each group with a table of its own (stage 15); else one group
-        self.kv_cache_groups = kv_cache_groups or [()]  # one group: every layer
-        group_of = {layer: group for group, layers in enumerate(self.kv_cache_groups) for layer in layers}
-        self.group_of_layer = [group_of[layer] for layer in range(len(group_of))]
+        # each layer's KV cache group, each group with a table of its own (stage 15); None: one, every layer
+        self.group_of_layer = group_of_layer
+        self.num_kv_cache_groups = 1 if group_of_layer is None else max(group_of_layer) + 1
         self.input_batch = input_batch or InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
-                                                     len(self.kv_cache_groups))
+                                                     self.num_kv_cache_groups)
         self.spec_decoder, self.kv_connector = spec_decoder, kv_connector
         self.failed_req_ids: list[Hashable] = []  # requests whose loads failed in the last step
         self.prev_sampled_token_ids: torch.Tensor | None = None  # the last step's tokens, on the device
@@ -197,12 +196,12 @@ class V1ModelRunner:
         seq_lens = batch.num_computed_tokens[rows] + counts  # (num_reqs,) context after this step
         query_start_loc = None if counts.max() == 1 else np.concatenate([[0], ends]).astype(np.int32)
         metas = []
-        for g in range(len(self.kv_cache_groups)):  # each group's slots and tables (one group: every layer's)
+        for g in range(self.num_kv_cache_groups):  # each group's slots and tables (one group: every layer's)
             slot_mapping = batch.block_table[owner, g, positions // size].astype(np.int64) * size + positions % size
             tables = batch.block_table[rows, g, :batch.num_blocks[rows, g].max()]
             metas.append(build_attention_metadata(self.cache, slot_mapping, tables, seq_lens.astype(np.int32),
                                                   query_start_loc, self.backend))
-        meta = metas[0] if len(metas) == 1 else GroupedAttentionMetadata(metas, self.group_of_layer)
+        meta = metas[0] if self.group_of_layer is None else GroupedAttentionMetadata(metas, self.group_of_layer)
         done = seq_lens >= batch.num_tokens[rows]  # (num_reqs,) every token computed (a placeholder too): sample
         logits_indices = np.concatenate([(ends - 1)[done],
                                          self.extra_logits_indices(out, batch.num_computed_tokens[rows], ends)])

@@ -118,8 +118,19 @@ class HybridKVCacheManager:
         """Blocks a request of ``num_tokens`` tokens holds at most at once, every group together."""
         return sum(g.spec.max_num_blocks(num_tokens, self.max_num_batched_tokens) for g in self.coordinator.groups)
 
-    def get_block_table(self, seq_id: Hashable) -> tuple[list[int], ...]:
-        return self.coordinator.block_ids(seq_id)
+    # A block manager's names for what it holds, as the live page reads them (``serving.engine_client``):
+    cpu_allocator = None  # no CPU pool: V1 recomputes what it preempts
+    swapped_tables: dict[Hashable, list[int]] = {}  # so nothing is swapped out
+
+    @property
+    def block_tables(self) -> dict[Hashable, list[int]]:
+        """Each request holding blocks, with the blocks it holds (``get_block_table``)."""
+        return {seq_id: self.get_block_table(seq_id) for seq_id in self.num_tokens}
+
+    def get_block_table(self, seq_id: Hashable) -> list[int]:
+        """The blocks the request holds, every group's in turn, the null block left out (a block manager's
+        one table; ``block_ids`` gives them per group, in their places)."""
+        return [b for blocks in self.coordinator.block_ids(seq_id) for b in blocks if b != self.coordinator.null_block]
 
     def skip_cache_reads(self, seq: Seq) -> None:
         """``seq`` reads no cached block (it asked for ``prompt_logprobs``)."""

@@ -89,6 +89,12 @@ def kv_cache_groups(windows: Sequence[int | None], block_size: int) -> list[KVCa
     # END SOLUTION
 
 
+def group_of_layer(groups: list[KVCacheGroupSpec]) -> list[int]:
+    """Each layer's group, by layer: what the runner and the CUDA graphs hand each layer its table by."""
+    group_of = {layer: g for g, group in enumerate(groups) for layer in group.layer_ids}
+    return [group_of[layer] for layer in range(len(group_of))]
+
+
 def group_size(groups: list[KVCacheGroupSpec]) -> int:
     """Layers per group: the K/V tensors a hybrid cache holds, a block of each per block id."""
     return max(len(g.layer_ids) for g in groups)

@@ -171,6 +171,34 @@ def test_a_decode_forward_runs_on_cuda_with_the_reference_backend(arch):
     assert cache.key_cache[0].device.type == "cuda"
 
 
+def test_a_decode_forward_over_two_kv_cache_groups_runs_on_cuda():
+    """Stage 15 in a tensor-parallel worker: each group's slots and tables stacked on a first axis, uploaded
+    once and split into a metadata per group (views); a full layer and a sliding one, each its group's."""
+    import dataclasses
+
+    from minipaged.models import GroupedAttentionMetadata
+
+    config = dataclasses.replace(CONFIGS["llama"], sliding_window=4,
+                                 layer_types=("full_attention", "sliding_attention"))
+    model, block_size, context, num_new = build_model(config).eval(), 4, [7, 2, 9], [1, 1, 1]
+    with fake_cuda():
+        params = fake_cuda_module(model)
+        cache = PagedKVCache(2, 64, block_size, config.num_kv_heads, config.head_dim, device="cuda")
+        tables = np.arange(2 * len(context) * 8, dtype=np.int32).reshape(2, len(context), 8)  # a table per group
+        positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context, num_new, strict=True)])
+        owner = np.repeat(np.arange(len(context)), num_new)
+        slots = np.stack([t[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+                          for t in tables])
+        meta = AttentionMetadata.from_host(slots, tables, np.array(context, np.int32), None, paged_attention_ref,
+                                           torch.device("cuda")).per_group([0, 1])
+        assert isinstance(meta, GroupedAttentionMetadata) and meta[1].block_tables.shape == (len(context), 8)
+        ids = torch.zeros(len(positions), dtype=torch.int64, device="cuda")
+        with torch.inference_mode():
+            inputs = (ids, torch.from_numpy(positions).to("cuda"), cache, meta)
+            hidden = torch.func.functional_call(model, params, inputs, tie_weights=False)
+    assert hidden.device.type == "cuda" and hidden.shape == (len(positions), config.hidden_size)
+
+
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_a_decode_forward_over_an_fp8_cache_runs_on_cuda(arch):
     """Stage 13: quantised on write, the step's blocks dequantised on read, the scales host numbers."""

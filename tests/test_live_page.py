@@ -369,3 +369,26 @@ def test_the_load_generator_talks_to_the_loopback_only_and_keeps_the_full_result
     results = importlib.import_module("harness").RESULTS  # bench/results
     assert where[()] == results
     assert all(d != results and results in d.parents for a, d in where.items() if a)
+
+
+def test_snapshot_of_a_hybrid_cache_lists_the_blocks_each_request_holds_in_every_group(tmp_path_factory):
+    """Stage 15's manager under the page: each request's blocks, every group's, the null block left out."""
+    from helpers_checkpoints import random_prompts, save_random_checkpoints, sliding_window_architectures
+
+    mixed = sliding_window_architectures(8, num_layers=4, full_layers=2)["mixed"]
+    llm = _LLM(save_random_checkpoints(tmp_path_factory, {"mixed": mixed})["mixed"], block_size=4,
+              num_gpu_blocks=64, max_model_len=64)
+    for i, prompt in enumerate(random_prompts(0, (30, 9))):
+        llm.engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, ignore_eos=True))
+    run(llm, 3)  # past the window: the long request's sliding group has given blocks back
+    snap = snapshot(llm)
+    manager = llm.scheduler.kv_cache_manager
+    assert snap["cpu"] is None and [r["id"] for r in snap["running"]] == ["0", "1"]
+    for request in snap["running"]:
+        (seq,) = request["seqs"]
+        full, sliding = manager.coordinator.block_ids(llm.engine.requests[request["id"]].seqs[0].seq_id)
+        real = [b for b in sliding if b != manager.coordinator.null_block]
+        assert seq["where"] == "gpu" and seq["block_table"] == full + real
+    assert manager.coordinator.null_block in manager.coordinator.block_ids(llm.engine.requests["0"].seqs[0].seq_id)[1]
+    assert len(snap["blocks"]) == snap["num_blocks"] - snap["free_blocks"] == sum(
+        len(r["seqs"][0]["block_table"]) for r in snap["running"])
